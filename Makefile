@@ -1,0 +1,32 @@
+# specserve: `make setup` once, then `make test` / `make run` / `make bench`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+export SPECSERVE_MODELS ?= $(HOME)/.cache/specserve/models
+# Default models: registry names of deploy/models.py, or local HF folders / hub ids.
+TARGET ?= qwen-1.5b
+DRAFT ?= qwen-0.5b
+
+.PHONY: setup models test test-fast lint run bench
+
+setup:  ## install the package and its dev tools; torch pinned here so CPU machines take the CPU wheel
+	$(PIP) install -q "torch==2.13.0" -e ".[dev]"
+
+models: setup  ## fetch + convert the real models of shared/MODELS.md (skipped when present)
+	$(PYTHON) -m deploy.models fetch qwen-1.5b qwen-0.5b smollm2-135m
+
+test: models  ## the whole suite, as CI runs it
+	$(PYTHON) -m pytest -q --timeout=1800
+
+test-fast:  ## unit tests only, no pretrained models
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy speculative actors deploy bench
+
+run: models  ## generate with the default Qwen pair
+	$(PYTHON) -m speculative.cli --target $(TARGET) --draft $(DRAFT) --prompt "Write a Python function that checks whether a number is prime."
+
+bench: models
+	$(PYTHON) -m bench.single_stream

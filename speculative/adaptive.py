@@ -1,0 +1,87 @@
+"""Adaptive speculation length: each sequence drafts as deep as its recent acceptance pays for.
+
+With per-token acceptance rate a, a chain of k draft tokens commits (1 - a^(k+1)) / (1 - a)
+tokens per step and costs about 1 + verify_overhead + draft_cost * k target-steps. The chosen k
+maximises their ratio; k = 0 is plain decoding. A sequence at k = 0 probes with k = 1 every
+`probe_every` steps, so it can find its way back when the text becomes predictable. The choice
+depends only on the sequence's own acceptance history, never on timing or the batch, so seeded
+runs reproduce and a batch gives the same tokens as its sequences alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AdaptiveConfig(BaseModel):
+    """How speculation length follows acceptance."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="False: always draft max_depth tokens.")
+    max_depth: int = Field(4, ge=0, le=64, description="Most draft tokens along any path.")
+    draft_cost: float = Field(
+        0.35, ge=0.0, le=10.0, description="One draft forward in target-forward units (0 for prompt lookup)."
+    )
+    verify_overhead: float = Field(
+        0.1, ge=0.0, le=10.0, description="Extra cost of a multi-token verify over a 1-token decode."
+    )
+    prior_acceptance: float = Field(0.7, gt=0.0, lt=1.0, description="Acceptance assumed before any evidence.")
+    memory: float = Field(0.8, gt=0.0, lt=1.0, description="Weight kept by old evidence at each step.")
+    probe_every: int = Field(8, ge=1, le=10_000, description="Steps between k=1 probes while at k=0.")
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens committed per step by a chain of k with per-token acceptance `acceptance`."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def best_depth(acceptance: float, config: AdaptiveConfig) -> int:
+    """The k in 0..max_depth with the most tokens per unit of cost."""
+
+    def rate(k: int) -> float:
+        cost = 1.0 + (config.verify_overhead + config.draft_cost * k if k else 0.0)
+        return expected_tokens(acceptance, k) / cost
+
+    return max(range(config.max_depth + 1), key=lambda k: (rate(k), -k))
+
+
+@dataclass
+class AdaptiveDepth:
+    """One sequence's acceptance estimate and the speculation depth it implies."""
+
+    config: AdaptiveConfig
+    accepted: float = 0.0  # decayed count of accepted draft tokens
+    trials: float = 0.0  # decayed count of accept/reject decisions
+    steps_at_zero: int = 0
+
+    def __post_init__(self) -> None:
+        self.accepted = self.config.prior_acceptance * 4
+        self.trials = 4.0
+
+    @property
+    def acceptance(self) -> float:
+        return min(max(self.accepted / self.trials, 1e-3), 0.999)
+
+    def next_depth(self) -> int:
+        if not self.config.enabled:
+            return self.config.max_depth
+        k = best_depth(self.acceptance, self.config)
+        if k == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero >= self.config.probe_every:
+                self.steps_at_zero = 0
+                return 1
+        return k
+
+    def update(self, proposed_depth: int, accepted_depth: int) -> None:
+        """Record a step: `accepted_depth` of `proposed_depth` draft levels kept."""
+        if proposed_depth == 0:
+            return
+        rejected = 1.0 if accepted_depth < proposed_depth else 0.0
+        self.accepted = self.config.memory * self.accepted + accepted_depth
+        self.trials = self.config.memory * self.trials + accepted_depth + rejected

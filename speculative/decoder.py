@@ -1,0 +1,172 @@
+"""The speculative decoding loop: draft, verify, commit, for a batch of sequences.
+
+`SpeculativeDecoder.step()` is one round for every active sequence: the drafter proposes a tree
+per sequence, the target verifies all trees in one batched forward, each verdict is committed to
+the target's cache, and stop conditions end sequences. New sequences join and finished ones
+leave between steps (continuous batching). Runs with no drafter as plain decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
+from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
+from speculative.runner import ModelRunner
+from speculative.sampling import SamplingParams
+from speculative.stopping import check_stop
+from speculative.verify import verify_tree
+
+
+@dataclass
+class SequenceStats:
+    steps: int = 0  # target forwards (verify steps) this sequence took part in
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per target step, bonus included."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    depth: AdaptiveDepth
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_end: int | None = None
+    stats: SequenceStats = field(default_factory=SequenceStats)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    seq_id: str
+    new_tokens: list[int]
+    finish_reason: str | None
+
+
+class SpeculativeDecoder:
+    """Owns the target runner's rows; the router of one target replica in miniature."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: Drafter | None,
+        adaptive: AdaptiveConfig,
+        eos_ids: frozenset[int] = frozenset(),
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.adaptive = adaptive if drafter is not None else adaptive.model_copy(update={"max_depth": 0})
+        self.eos_ids = eos_ids
+        self.decode = decode
+        self.active: dict[str, Sequence] = {}
+        self._pending: list[Sequence] = []
+        self._ids = itertools.count()
+        self.finished: list[Sequence] = []  # done since the last generate() began
+
+    def add(self, prompt: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        if any(not 0 <= t < self.target.vocab_size for t in prompt):
+            raise ValueError(f"prompt: token ids must be in 0..{self.target.vocab_size - 1}")
+        seq_id = seq_id or f"seq-{next(self._ids)}"
+        if seq_id in self.active or any(s.seq_id == seq_id for s in self._pending):
+            raise ValueError(f"sequence id {seq_id!r} is already running")
+        self._pending.append(Sequence(seq_id, list(prompt), params, AdaptiveDepth(self.adaptive)))
+        return seq_id
+
+    def cancel(self, seq_id: str) -> None:
+        self._pending = [s for s in self._pending if s.seq_id != seq_id]
+        if seq_id in self.active:
+            self._finish([self.active.pop(seq_id)])
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active or self._pending)
+
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        if not self.active:
+            return []
+        seqs = list(self.active.values())
+        proposals = self._propose(seqs)
+        logits = self.target.forward(
+            [list(p.tree.all_tokens) for p in proposals],
+            [p.tree.runner_parents() for p in proposals],
+        )
+        assert logits is not None
+        keep, outputs = [], []
+        for seq, prop, row_logits in zip(seqs, proposals, logits, strict=True):
+            n = prop.tree.size + 1
+            verdict = verify_tree(prop, row_logits[:n], seq.tokens, seq.params)
+            keep.append(list(verdict.path))
+            outputs.append(self._commit(seq, prop, verdict.tokens, len(verdict.accepted)))
+        self.target.commit(keep)
+        self._finish([s for s in seqs if s.finish_reason is not None])
+        return outputs
+
+    def _admit(self) -> None:
+        """Prefill new sequences: all but the last prompt token go into the target cache."""
+        if not self._pending:
+            return
+        new, self._pending = self._pending, []
+        self.target.add_rows([s.seq_id for s in new])
+        by_id = {s.seq_id: s for s in new}
+        self.target.extend([by_id[r].prompt[:-1] if r in by_id else [] for r in self.target.rows])
+        self.active.update(by_id)
+
+    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
+        requests = []
+        for seq in seqs:
+            room = seq.params.max_tokens - len(seq.output) - 1  # the step always adds one token
+            depth = min(seq.depth.next_depth(), room)
+            requests.append(DraftRequest(seq.seq_id, tuple(seq.tokens), max(depth, 0), seq.params))
+        if self.drafter is None:
+            return [empty_proposal(r) for r in requests]
+        return self.drafter.propose(requests)
+
+    def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:
+        depth = max(prop.tree.depths)
+        seq.depth.update(depth, n_accepted)
+        seq.stats.steps += 1
+        seq.stats.drafted += prop.tree.size
+        seq.stats.accepted += n_accepted
+        before = len(seq.output)
+        seq.output += tokens
+        stop = check_stop(seq.output, len(tokens), seq.params, self.eos_ids, self.decode)
+        del seq.output[stop.keep :]
+        seq.finish_reason, seq.text_end = stop.reason, stop.text_end
+        return StepOutput(seq.seq_id, seq.output[before:], stop.reason)
+
+    def _finish(self, done: list[Sequence]) -> None:
+        if not done:
+            return
+        for seq in done:
+            self.active.pop(seq.seq_id, None)
+        ids = [s.seq_id for s in done]
+        self.target.remove_rows(ids)
+        if self.drafter is not None:
+            self.drafter.release(ids)
+        self.finished.extend(done)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run prompts to completion as one continuous batch; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        self.finished = []
+        while self.has_work:
+            self.step()
+        by_id = {s.seq_id: s for s in self.finished}
+        return [by_id[i] for i in ids]

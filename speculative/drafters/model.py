@@ -1,0 +1,182 @@
+"""A draft model proposing a chain, or a tree shaped by its own confidence (EAGLE-2).
+
+One batched draft forward per depth; the first also catches the draft's cache up to the committed
+tokens. After proposing, the drafter keeps the KV of its most likely path tentatively committed;
+the next request's `sync` cuts it back to what the target accepted, so accepted draft tokens are
+not computed twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
+from speculative.rng import Stream, sample, uniform
+from speculative.runner import ModelRunner
+from speculative.sampling import apply_repetition_penalty, context_seen, probs_from_logits
+from speculative.tree import TokenTree
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index in the row's node list; -1 for the root (node 0)
+    depth: int  # root 0
+    score: float  # log-probability of the path under the draft
+    column: int = -1  # speculative column in the draft runner once forwarded
+    probs: torch.Tensor | None = None  # [V] q at this node once expanded (sampled drafts)
+
+
+class DraftModelDrafter:
+    """Chain (`tree_width=1`) or confidence-shaped tree drafts from a smaller causal LM."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab: int,
+        tree_width: int = 1,
+        tree_nodes: int = 64,
+        sampled: bool = True,
+    ) -> None:
+        if tree_width < 1 or tree_nodes < 1:
+            raise ValueError("tree_width and tree_nodes must be >= 1")
+        self.runner = runner
+        self.vocab = min(target_vocab, runner.vocab_size)  # ids both models can emit
+        self.target_vocab = target_vocab
+        self.width = tree_width  # children per expanded node, and nodes expanded per depth
+        self.max_nodes = tree_nodes  # most draft nodes in one tree
+        self.sampled = sampled  # under sampling: children drawn from q (rejection rule), not top-k
+
+    def release(self, seq_ids: list[str]) -> None:
+        known = [s for s in seq_ids if s in self.runner.rows]
+        if known:
+            self.runner.remove_rows(known)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        active = [r for r in requests if r.budget > 0]
+        if not active:
+            return [empty_proposal(r) for r in requests]
+        new = [r.seq_id for r in active if r.seq_id not in self.runner.rows]
+        if new:
+            self.runner.add_rows(new)
+        rows = [self.runner.row(r.seq_id) for r in active]
+        missing = self.runner.sync(rows, [list(r.tokens) for r in active])
+        trees = [[_Node(r.tokens[-1], -1, 0, 0.0, column=len(m) - 1)] for r, m in zip(active, missing, strict=True)]
+        # The first forward catches up; the root's next-token logits are at its last column.
+        tokens: list[list[int]] = [[] for _ in self.runner.rows]
+        for row, m in zip(rows, missing, strict=True):
+            tokens[row] = m
+        logits = self.runner.forward(tokens, [[j - 1 for j in range(len(t))] for t in tokens])
+        assert logits is not None
+        frontier = [[0] for _ in active]
+        for depth in range(1, max(r.budget for r in active) + 1):
+            for i, (req, row) in enumerate(zip(active, rows, strict=True)):
+                for j, idx in enumerate(frontier[i]):
+                    col = trees[i][idx].column if depth == 1 else j
+                    self._expand(req, trees[i], idx, logits[row, col], depth)
+            frontier = [self._frontier(t, depth, r.budget) for t, r in zip(trees, active, strict=True)]
+            if not any(frontier):
+                break
+            logits = self._forward_frontier(rows, trees, frontier)
+        proposals = {r.seq_id: self._proposal(r, t) for r, t in zip(active, trees, strict=True)}
+        self._keep_likely_path(rows, trees)
+        return [proposals.get(r.seq_id) or empty_proposal(r) for r in requests]
+
+    def _expand(self, req: DraftRequest, nodes: list[_Node], idx: int, logits: torch.Tensor, depth: int) -> None:
+        """Add the children of node `idx`; logits: [V_draft] next-token logits at that node."""
+        path = self._path_tokens(nodes, idx)
+        scores = logits[None, : self.vocab]  # [1, V]
+        seen = context_seen(list(req.tokens), [path], self.vocab)
+        scores = apply_repetition_penalty(scores, seen, req.params.repetition_penalty)
+        q = probs_from_logits(scores, req.params)[0]  # [V]
+        nodes[idx].probs = q
+        for tok in self._children(req, q, scores[0], depth, idx):
+            prob = float(q[tok])
+            score = nodes[idx].score + (math.log(prob) if prob > 0 else -1e9)
+            nodes.append(_Node(tok, idx, depth, score))
+
+    def _children(self, req: DraftRequest, q: torch.Tensor, scores: torch.Tensor, depth: int, idx: int) -> list[int]:
+        """Top-k by draft score (deterministic), or sampled from q without replacement."""
+        if req.params.greedy or not self.sampled:
+            return torch.topk(scores, self.width).indices.tolist()
+        position = len(req.tokens) + depth - 1  # position of the drafted child
+        q = q.clone()
+        out: list[int] = []
+        for c in range(min(self.width, int((q > 0).sum()))):
+            tok = sample(q, uniform(req.params.seed, position, Stream.DRAFT, idx * 64 + c))
+            out.append(tok)
+            q[tok] = 0.0
+        return out
+
+    @staticmethod
+    def _path_tokens(nodes: list[_Node], idx: int) -> list[int]:
+        out = []
+        while idx > 0:
+            out.append(nodes[idx].token)
+            idx = nodes[idx].parent
+        return out[::-1]
+
+    def _frontier(self, nodes: list[_Node], depth: int, budget: int) -> list[int]:
+        """The most likely nodes at this depth to expand next, while the tree may grow.
+
+        Which nodes grow depends on the scores of this depth only, and how many on counts only,
+        never on the tokens their children will be: sampled children stay draws from q.
+        """
+        room = (self.max_nodes - (len(nodes) - 1)) // self.width
+        if depth >= budget or room <= 0:
+            return []
+        fresh = [i for i, n in enumerate(nodes) if n.depth == depth]
+        fresh.sort(key=lambda i: -nodes[i].score)
+        return fresh[: min(self.width, room)]
+
+    def _forward_frontier(self, rows: list[int], trees: list[list[_Node]], frontier: list[list[int]]) -> torch.Tensor:
+        tokens: list[list[int]] = [[] for _ in self.runner.rows]
+        parents: list[list[int]] = [[] for _ in self.runner.rows]
+        n_spec = self.runner.spec.tokens.shape[1]
+        for i, row in enumerate(rows):
+            for j, idx in enumerate(frontier[i]):
+                node = trees[i][idx]
+                node.column = n_spec + j
+                tokens[row].append(node.token)
+                parents[row].append(trees[i][node.parent].column)
+        logits = self.runner.forward(tokens, parents)
+        assert logits is not None
+        return logits
+
+    def _proposal(self, req: DraftRequest, nodes: list[_Node]) -> Proposal:
+        """The tree in node order (parents before children, children in draft order).
+
+        Every drafted node is kept: pruning by value would bias sampled children away from q.
+        """
+        order = sorted(range(len(nodes)), key=lambda i: (nodes[i].depth, i))
+        node_of = {idx: k for k, idx in enumerate(order)}
+        tree = TokenTree(
+            req.tokens[-1],
+            tuple(nodes[i].token for i in order[1:]),
+            tuple(node_of[nodes[i].parent] for i in order[1:]),
+        )
+        if req.params.greedy or not self.sampled:
+            return Proposal(tree)
+        q = torch.zeros(tree.size + 1, self.target_vocab)  # [n+1, V_target]
+        for k, idx in enumerate(order):
+            probs = nodes[idx].probs
+            if probs is not None:
+                q[k, : self.vocab] = probs
+        return Proposal(tree, q)
+
+    def _keep_likely_path(self, rows: list[int], trees: list[list[_Node]]) -> None:
+        """Tentatively commit the catch-up tokens and the most likely forwarded path."""
+        keep: list[list[int]] = [[] for _ in self.runner.rows]  # rows not drafted: nothing new
+        for i, row in enumerate(rows):
+            nodes = trees[i]
+            forwarded = [k for k, n in enumerate(nodes) if n.column >= 0]
+            best = max(forwarded, key=lambda k: (nodes[k].depth, nodes[k].score))
+            path = []
+            while best > 0:
+                path.append(nodes[best].column)
+                best = nodes[best].parent
+            keep[row] = list(range(nodes[0].column + 1)) + path[::-1]
+        self.runner.commit(keep)

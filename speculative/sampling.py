@@ -1,0 +1,99 @@
+"""Sampling parameters and the logits -> probabilities transforms.
+
+The same functions run on the draft's logits and on the target's, so `p` and `q` at a tree node
+are always transformed identically, which the acceptance rules require. Order, as in HF
+`generate`: repetition penalty, temperature, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingParams(BaseModel):
+    """How one request turns the target's logits into tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(
+        1.0, ge=0.0, le=100.0, description="0 means greedy (argmax); > 0 samples from softmax(l/T)."
+    )
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 keeps all.")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Keep the smallest set of most likely tokens with mass >= top_p."
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, description="HF/CTRL penalty on tokens already in prompt or output; 1 = off."
+    )
+    max_tokens: int = Field(16, ge=1, le=1_000_000, description="Most new tokens to generate.")
+    stop_token_ids: tuple[int, ...] = Field((), description="Extra token ids that end the sequence.")
+    stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end the sequence (cut from text).")
+    ignore_eos: bool = Field(False, description="Keep generating past the model's end-of-sequence token.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Keys the counter-based generator of this request.")
+
+    @model_validator(mode="after")
+    def _stops_non_empty(self) -> SamplingParams:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop: stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: token ids must be >= 0")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,  # [N, V]
+    seen: torch.Tensor,  # [N, V] bool: token already in the context of that row
+    penalty: float,
+) -> torch.Tensor:  # [N, V]
+    """CTRL / HF repetition penalty: seen logits > 0 are divided by it, the others multiplied."""
+    if penalty == 1.0:
+        return logits
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
+
+
+def probs_from_logits(
+    logits: torch.Tensor,  # [N, V], penalty already applied
+    params: SamplingParams,
+) -> torch.Tensor:  # [N, V] float32, rows sum to 1
+    """Temperature, top-k and top-p, then softmax. Greedy gives a one-hot at the argmax."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, V] mass of strictly better tokens
+        drop_sorted = mass_before >= params.top_p  # the first token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def context_seen(
+    context_ids: list[int],
+    paths: list[list[int]],  # per row: draft tokens between the context and that row's position
+    vocab: int,
+) -> torch.Tensor:  # [len(paths), V] bool
+    """Which tokens each row has already seen: the context plus the row's own path."""
+    seen = torch.zeros(len(paths), vocab, dtype=torch.bool)
+    if context_ids:
+        seen[:, torch.tensor(context_ids, dtype=torch.long)] = True
+    for row, path in enumerate(paths):
+        if path:
+            seen[row, torch.tensor(path, dtype=torch.long)] = True
+    return seen

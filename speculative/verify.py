@@ -1,0 +1,41 @@
+"""Verification of one sequence's tree from the target's logits: the rule DESIGN.md assigns.
+
+- greedy request: `accept_greedy` on penalised logits;
+- sampled request, deterministic draft (top-k tree, greedy chain, prompt lookup): target-sample
+  matching;
+- sampled request, draft sampled from q: recursive rejection sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.acceptance import Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
+from speculative.drafters.base import Proposal
+from speculative.rng import KeyedDraws, Stream
+from speculative.sampling import SamplingParams, apply_repetition_penalty, context_seen, probs_from_logits
+
+
+def verify_tree(
+    proposal: Proposal,
+    logits: torch.Tensor,  # [n+1, V] target logits at the tree's nodes, node order
+    context: list[int],  # committed tokens, the tree's root last
+    params: SamplingParams,
+) -> Verdict:
+    tree = proposal.tree
+    if params.uses_penalty:
+        paths = [tree.path_tokens(node) for node in range(tree.size + 1)]
+        seen = context_seen(context, paths, logits.shape[-1])
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return accept_greedy(tree, logits)
+    probs = probs_from_logits(logits, params)  # [n+1, V]
+    keyed = KeyedDraws(params.seed, Stream.TARGET)
+    base = len(context)  # position of the first token this step emits
+
+    def draw(depth: int, index: int) -> float:
+        return keyed(base + depth, index)
+
+    if proposal.draft_probs is not None:
+        return accept_by_rejection(tree, probs, proposal.draft_probs, draw)
+    return accept_by_target_sample(tree, probs, draw)
