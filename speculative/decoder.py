@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
-from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
-from speculative.verify import verify_tree
+from speculative.target import TargetVerifier, VerifyItem
 
 
 @dataclass
@@ -60,7 +59,7 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: ModelRunner,
+        target: TargetVerifier,
         drafter: Drafter | None,
         adaptive: AdaptiveConfig,
         eos_ids: frozenset[int] = frozenset(),
@@ -97,35 +96,21 @@ class SpeculativeDecoder:
         return bool(self.active or self._pending)
 
     def step(self) -> list[StepOutput]:
-        self._admit()
+        """One draft-verify-commit round; new sequences are prefilled inside the verify forward."""
+        self.active.update((s.seq_id, s) for s in self._pending)
+        self._pending = []
         if not self.active:
             return []
         seqs = list(self.active.values())
         proposals = self._propose(seqs)
-        logits = self.target.forward(
-            [list(p.tree.all_tokens) for p in proposals],
-            [p.tree.runner_parents() for p in proposals],
-        )
-        assert logits is not None
-        keep, outputs = [], []
-        for seq, prop, row_logits in zip(seqs, proposals, logits, strict=True):
-            n = prop.tree.size + 1
-            verdict = verify_tree(prop, row_logits[:n], seq.tokens, seq.params)
-            keep.append(list(verdict.path))
-            outputs.append(self._commit(seq, prop, verdict.tokens, len(verdict.accepted)))
-        self.target.commit(keep)
+        items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p) for s, p in zip(seqs, proposals, strict=True)]
+        verdicts = self.target.verify(items)
+        outputs = [
+            self._commit(seq, prop, v.tokens, len(v.accepted))
+            for seq, prop, v in zip(seqs, proposals, verdicts, strict=True)
+        ]
         self._finish([s for s in seqs if s.finish_reason is not None])
         return outputs
-
-    def _admit(self) -> None:
-        """Prefill new sequences: all but the last prompt token go into the target cache."""
-        if not self._pending:
-            return
-        new, self._pending = self._pending, []
-        self.target.add_rows([s.seq_id for s in new])
-        by_id = {s.seq_id: s for s in new}
-        self.target.extend([by_id[r].prompt[:-1] if r in by_id else [] for r in self.target.rows])
-        self.active.update(by_id)
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
         requests = []
@@ -156,7 +141,7 @@ class SpeculativeDecoder:
         for seq in done:
             self.active.pop(seq.seq_id, None)
         ids = [s.seq_id for s in done]
-        self.target.remove_rows(ids)
+        self.target.release(ids)
         if self.drafter is not None:
             self.drafter.release(ids)
         self.finished.extend(done)

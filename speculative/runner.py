@@ -41,6 +41,8 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
+        self._base = model.base_model  # the transformer stack, without the LM head
+        self._head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.rows: list[str] = []  # sequence id of each row
@@ -100,9 +102,13 @@ class ModelRunner:
         self,
         tokens: list[list[int]],  # per row, the new tokens (rows may differ in length, may be empty)
         parents: list[list[int]],  # per row: -1 = committed end, j >= 0 = speculative column j
-        logits: bool = True,
-    ) -> torch.Tensor | None:  # [B, n, V] float32 logits, n = longest row; padding rows garbage
-        """Append tokens to the speculative region of every row and run one forward."""
+        logits_at: list[list[int]] | None = None,  # per row, indices into its new tokens
+    ) -> torch.Tensor | None:  # [B, m, V] float32 logits at `logits_at` (m = most asked); pads garbage
+        """Append tokens to the speculative region of every row and run one forward.
+
+        Only the hidden states at `logits_at` go through the LM head (a prompt of 500 tokens and a
+        vocabulary of 150k would otherwise be 300 MB of logits); None computes no logits.
+        """
         batch = len(self.rows)
         if len(tokens) != batch or len(parents) != batch:
             raise ValueError(f"expected {batch} rows of tokens and parents")
@@ -124,15 +130,18 @@ class ModelRunner:
         self._extend_speculation(new_tokens, new_parents)
         mask = self._attention_mask(start, n)  # [B, 1, n, width + S]
         positions = self.lens[:, None] + self.spec.depths[:, start:]  # [B, n]
-        out = self.model(
-            input_ids=new_tokens,
-            position_ids=positions,
-            attention_mask=mask,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=0 if logits else 1,
+        out = self._base(
+            input_ids=new_tokens, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True
         )
-        return out.logits.float() if logits else None
+        if logits_at is None:
+            return None
+        m = max((len(a) for a in logits_at), default=0)
+        index = torch.zeros(batch, max(m, 1), dtype=torch.long)  # [B, m]
+        for b, at in enumerate(logits_at):
+            index[b, : len(at)] = torch.tensor(at, dtype=torch.long)
+        hidden = out.last_hidden_state  # [B, n, H]
+        picked = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
+        return self._head(picked).float()  # [B, m, V]
 
     def _extend_speculation(self, new_tokens: torch.Tensor, new_parents: torch.Tensor) -> None:
         batch, n = new_tokens.shape
@@ -226,12 +235,13 @@ class ModelRunner:
         return missing
 
     # ---- convenience ------------------------------------------------------------------
-    def extend(self, tokens: list[list[int]], logits: bool = False) -> torch.Tensor | None:
+    def extend(self, tokens: list[list[int]]) -> None:
         """Append each row's tokens as a chain and commit them all (prefill / catch-up)."""
-        start = self.spec.tokens.shape[1]
-        if start:
-            raise RuntimeError("extend while speculative tokens are pending; commit first")
-        parents = [[i - 1 for i in range(len(t))] for t in tokens]
-        out = self.forward(tokens, parents, logits=logits)
+        self._require_no_speculation("extend")
+        self.forward(tokens, [chain_parents(len(t)) for t in tokens])
         self.commit([list(range(len(t))) for t in tokens])
-        return out
+
+
+def chain_parents(n: int, start: int = 0, first_parent: int = -1) -> list[int]:
+    """Runner parents of n tokens appended as a chain at speculative columns start..start+n-1."""
+    return [first_parent, *range(start, start + n - 1)][:n]

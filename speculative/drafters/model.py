@@ -15,7 +15,7 @@ import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
 from speculative.rng import Stream, sample, uniform
-from speculative.runner import ModelRunner
+from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import apply_repetition_penalty, context_seen, probs_from_logits
 from speculative.tree import TokenTree
 
@@ -67,16 +67,16 @@ class DraftModelDrafter:
         trees = [[_Node(r.tokens[-1], -1, 0, 0.0, column=len(m) - 1)] for r, m in zip(active, missing, strict=True)]
         # The first forward catches up; the root's next-token logits are at its last column.
         tokens: list[list[int]] = [[] for _ in self.runner.rows]
+        logits_at: list[list[int]] = [[] for _ in self.runner.rows]
         for row, m in zip(rows, missing, strict=True):
-            tokens[row] = m
-        logits = self.runner.forward(tokens, [[j - 1 for j in range(len(t))] for t in tokens])
+            tokens[row], logits_at[row] = m, [len(m) - 1]
+        logits = self.runner.forward(tokens, [chain_parents(len(t)) for t in tokens], logits_at)
         assert logits is not None
         frontier = [[0] for _ in active]
         for depth in range(1, max(r.budget for r in active) + 1):
             for i, (req, row) in enumerate(zip(active, rows, strict=True)):
                 for j, idx in enumerate(frontier[i]):
-                    col = trees[i][idx].column if depth == 1 else j
-                    self._expand(req, trees[i], idx, logits[row, col], depth)
+                    self._expand(req, trees[i], idx, logits[row, j], depth)
             frontier = [self._frontier(t, depth, r.budget) for t, r in zip(trees, active, strict=True)]
             if not any(frontier):
                 break
@@ -142,7 +142,7 @@ class DraftModelDrafter:
                 node.column = n_spec + j
                 tokens[row].append(node.token)
                 parents[row].append(trees[i][node.parent].column)
-        logits = self.runner.forward(tokens, parents)
+        logits = self.runner.forward(tokens, parents, [list(range(len(t))) for t in tokens])
         assert logits is not None
         return logits
 

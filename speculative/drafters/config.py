@@ -1,0 +1,50 @@
+"""The drafter's configuration and its builder."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedModel
+
+from speculative.drafters.base import Drafter
+from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.drafters.model import DraftModelDrafter
+from speculative.runner import ModelRunner
+
+
+class DrafterConfig(BaseModel):
+    """What proposes draft tokens, and the shape of its proposals."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["none", "model", "lookup"] = Field(
+        "model", description="none: plain decoding; model: a draft LM; lookup: n-gram prompt lookup."
+    )
+    tree_width: int = Field(
+        1, ge=1, le=16, description="1 drafts a chain; w > 1 gives each expanded node w children, w nodes per depth."
+    )
+    tree_nodes: int = Field(16, ge=1, le=256, description="Most draft nodes in one tree (bounds verify cost).")
+    sampled: bool = Field(
+        True,
+        description="Under sampling: draw drafts from q and verify by rejection sampling (higher acceptance); "
+        "False drafts top-k and verifies by target-sample matching (output identical to plain sampling).",
+    )
+    max_ngram: int = Field(3, ge=1, le=16, description="lookup: longest suffix n-gram matched.")
+    min_ngram: int = Field(1, ge=1, le=16, description="lookup: shortest suffix n-gram matched.")
+
+
+def build_drafter(config: DrafterConfig, draft_model: PreTrainedModel | None, target_vocab: int) -> Drafter | None:
+    if config.kind == "none":
+        return None
+    if config.kind == "lookup":
+        return PromptLookupDrafter(config.max_ngram, config.min_ngram)
+    if draft_model is None:
+        raise ValueError("drafter kind 'model' needs a draft model")
+    return DraftModelDrafter(
+        ModelRunner(draft_model),
+        target_vocab,
+        tree_width=config.tree_width,
+        tree_nodes=config.tree_nodes,
+        sampled=config.sampled,
+    )
