@@ -1,0 +1,71 @@
+"""Tiny seeded random models (fp32) for exactness tests: they say nothing about acceptance rates."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel, Qwen2Config
+
+VOCAB = 96
+ARCHS = ("llama", "qwen2", "gpt2")
+
+
+def tiny_config(arch: str, layers: int = 2):
+    if arch == "llama":
+        return LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
+    if arch == "qwen2":
+        return Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
+    if arch == "gpt2":
+        return GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=1024, bos_token_id=0, eos_token_id=1
+        )
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0, layers: int = 2) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers), attn_implementation="sdpa").eval()
+    # Sharpen the output so greedy choices are far from ties and drafts can agree with the target.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def noisy_copy(model: PreTrainedModel, noise: float, seed: int = 1) -> PreTrainedModel:
+    """A draft that agrees with `model` often but not always."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
+    return draft
+
+
+def reference_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
+    """The target's own `generate(do_sample=False)`, one sequence at a time."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()

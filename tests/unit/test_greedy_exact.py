@@ -1,0 +1,101 @@
+"""Greedy speculative output is token-identical to the target's own generate(do_sample=False), fp32."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculative.adaptive import AdaptiveConfig
+from speculative.decoder import SpeculativeDecoder
+from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.runner import ModelRunner
+from speculative.sampling import SamplingParams
+from speculative.target import TargetVerifier
+from tests.tiny_models import ARCHS, VOCAB, noisy_copy, reference_greedy, tiny_model
+
+NEW = 24
+# Different lengths; repeated n-grams so prompt lookup finds matches.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],
+    [11, 12],
+    [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 20, 21, 22, 23, 24, 25, 40, 41, 42],
+    [7],
+]
+DRAFTERS = {
+    "chain": DrafterConfig(kind="model"),
+    "tree": DrafterConfig(kind="model", tree_width=3, tree_nodes=12),
+    "lookup": DrafterConfig(kind="lookup"),
+    "none": DrafterConfig(kind="none"),
+}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def models(request):
+    target = tiny_model(request.param)
+    draft = noisy_copy(target, noise=0.2)
+    refs = [reference_greedy(target, p, NEW) for p in PROMPTS]
+    return target, draft, refs
+
+
+def decoder(target, draft, drafter: str, max_depth: int = 4, adaptive: bool = True) -> SpeculativeDecoder:
+    config = DRAFTERS[drafter]
+    return SpeculativeDecoder(
+        TargetVerifier(ModelRunner(target)),
+        build_drafter(config, draft, VOCAB),
+        AdaptiveConfig(max_depth=max_depth, enabled=adaptive),
+    )
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_batch_of_one_matches_generate(models, drafter):
+    target, draft, refs = models
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        (out,) = decoder(target, draft, drafter).generate([prompt], GREEDY)
+        assert out.output == ref
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_mixed_batch_matches_generate(models, drafter):
+    target, draft, refs = models
+    outs = decoder(target, draft, drafter).generate(PROMPTS, GREEDY)
+    assert [o.output for o in outs] == refs
+
+
+@pytest.mark.parametrize("drafter", ["chain", "tree"])
+def test_fixed_depth_accepts_drafts_and_stays_exact(models, drafter):
+    """Without adaptation every step drafts 6 deep: exactness must not depend on the depth."""
+    target, draft, refs = models
+    outs = decoder(target, draft, drafter, max_depth=6, adaptive=False).generate(PROMPTS, GREEDY)
+    assert [o.output for o in outs] == refs
+    assert sum(o.stats.accepted for o in outs) > 0  # the noisy draft agrees sometimes
+
+
+def test_sequences_joining_mid_stream_stay_exact(models):
+    """Continuous batching: sequences added while others are half-way give the same tokens."""
+    target, draft, refs = models
+    dec = decoder(target, draft, "tree")
+    first = dec.add(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        dec.step()
+    later = [dec.add(p, GREEDY) for p in PROMPTS[1:]]
+    while dec.has_work:
+        dec.step()
+    by_id = {s.seq_id: s.output for s in dec.finished}
+    assert [by_id[i] for i in [first, *later]] == refs
+
+
+def test_perfect_draft_accepts_everything():
+    """A draft identical to the target is always accepted: acceptance length = depth + 1."""
+    target = tiny_model("llama")
+    dec = SpeculativeDecoder(
+        TargetVerifier(ModelRunner(target)),
+        build_drafter(DrafterConfig(kind="model"), target, VOCAB),
+        AdaptiveConfig(max_depth=3, enabled=False),
+    )
+    (out,) = dec.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=17))
+    assert out.output == reference_greedy(target, PROMPTS[0], 17)
+    assert out.stats.steps == 5  # 4 steps of 4 tokens + 1 (max_tokens caps the last depth)
+    assert out.stats.accepted == 12

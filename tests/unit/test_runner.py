@@ -1,0 +1,102 @@
+"""The runner's tree forward equals sequential decoding; commit, rollback and re-prefill are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative.drafters.base import Proposal
+from speculative.runner import ModelRunner, chain_parents
+from speculative.sampling import SamplingParams
+from speculative.target import TargetVerifier, VerifyItem
+from speculative.tree import TokenTree
+from tests.tiny_models import ARCHS, tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [1, 2, 3, 4, 5]]
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:  # [V] next-token logits after `tokens`
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    return tiny_model(request.param)
+
+
+def prefilled(model) -> ModelRunner:
+    runner = ModelRunner(model)
+    runner.add_rows(["a", "b", "c"])
+    runner.extend([p[:-1] for p in PROMPTS])
+    return runner
+
+
+def test_tree_logits_equal_sequential_decoding(model):
+    runner = prefilled(model)
+    tree = TokenTree(0, (20, 21, 22, 23), (0, 0, 1, 1))  # two children of the root, two of node 1
+    tokens = [[p[-1], *tree.tokens] for p in PROMPTS]
+    logits = runner.forward(tokens, [tree.runner_parents()] * 3, [list(range(5))] * 3)
+    for b, prompt in enumerate(PROMPTS):
+        for node in range(tree.size + 1):
+            expected = full_logits(model, prompt + tree.path_tokens(node))
+            torch.testing.assert_close(logits[b, node], expected, atol=2e-5, rtol=1e-5)
+
+
+def test_commit_keeps_path_and_rollback_drops_rest(model):
+    runner = prefilled(model)
+    tree = TokenTree(0, (20, 21, 22), (0, 0, 1))
+    runner.forward([[p[-1], *tree.tokens] for p in PROMPTS], [tree.runner_parents()] * 3)
+    runner.commit([[0, 1, 3], [0, 2], [0]])  # per row: an accepted path, root first
+    assert runner.cached[0] == PROMPTS[0] + [20, 22]
+    assert runner.cached[1] == PROMPTS[1] + [21]
+    assert runner.cached[2] == PROMPTS[2]
+    runner.forward([[30], [31], [32]], [[-1]] * 3, [[0]] * 3)
+    runner.rollback()
+    logits = runner.forward([[40], [41], [42]], [[-1]] * 3, [[0]] * 3)
+    for b, full in enumerate([PROMPTS[0] + [20, 22, 40], PROMPTS[1] + [21, 41], PROMPTS[2] + [42]]):
+        torch.testing.assert_close(logits[b, 0], full_logits(model, full), atol=2e-5, rtol=1e-5)
+
+
+def test_rows_join_and_leave(model):
+    runner = prefilled(model)
+    runner.remove_rows(["b"])
+    runner.add_rows(["d"])
+    runner.extend([[], [], [1, 2]])
+    logits = runner.forward([[40], [41], [3]], [[-1]] * 3, [[0]] * 3)
+    for b, full in enumerate([PROMPTS[0][:-1] + [40], PROMPTS[2][:-1] + [41], [1, 2, 3]]):
+        torch.testing.assert_close(logits[b, 0], full_logits(model, full), atol=2e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="pending"):
+        runner.add_rows(["e"])
+    runner.rollback()
+    with pytest.raises(ValueError, match="already"):
+        runner.add_rows(["a"])
+
+
+def test_sync_cuts_back_diverged_rows(model):
+    runner = prefilled(model)
+    missing = runner.sync([0, 1], [PROMPTS[0][:3] + [50, 51], PROMPTS[1] + [9]])
+    assert missing == [[50, 51], [PROMPTS[1][-1], 9]]
+    assert runner.cached[0] == PROMPTS[0][:3]
+
+
+def test_bad_parents_are_rejected(model):
+    runner = prefilled(model)
+    with pytest.raises(ValueError, match="earlier column"):
+        runner.forward([[1, 2], [], []], [[1, -1], [], []])
+    with pytest.raises(ValueError, match="parents"):
+        runner.forward([[1, 2], [], []], [[-1], [], []])
+    assert chain_parents(3, start=4) == [-1, 4, 5]
+
+
+def test_verifier_reprefills_a_sequence_it_has_not_seen(model):
+    """Soft state: a fresh verifier given a long committed sequence reaches the same verdict."""
+    greedy = SamplingParams(temperature=0.0)
+    seq = (5, 6, 7, 8, 9, 10, 11, 12)
+    tree = TokenTree.chain(seq[-1], [])
+    warm = TargetVerifier(ModelRunner(model))
+    warm.verify([VerifyItem("s", seq[:4], greedy, Proposal(TokenTree.chain(seq[3], [])))])
+    got = warm.verify([VerifyItem("s", seq, greedy, Proposal(tree))])  # cache 3 behind: catch up
+    cold = TargetVerifier(ModelRunner(model)).verify([VerifyItem("s", seq, greedy, Proposal(tree))])
+    expected = int(full_logits(model, list(seq)).argmax())
+    assert got[0].tokens == cold[0].tokens == (expected,)
