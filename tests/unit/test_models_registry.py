@@ -180,3 +180,31 @@ def test_sha256_mismatch_names_model_and_both_hashes(tmp_path: Path) -> None:
     actual = hashlib.sha256(b"chunk0chunk1").hexdigest()
     assert "fake" in str(error.value) and "0" * 64 in str(error.value) and actual in str(error.value)
     assert not out.exists()
+
+
+def test_merged_eos_keeps_order_and_dedups() -> None:
+    assert models._merged_eos(151645, [151645, 151643]) == [151645, 151643]
+    assert models._merged_eos([2], [2]) == 2
+    assert models._merged_eos(None, []) is None
+    assert models._merged_eos(None, [7]) == 7
+
+
+def _write_gguf(path: Path, chat_template: str | None) -> None:
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_chat_template_read_back_from_gguf_metadata(tmp_path: Path) -> None:
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    with_template = tmp_path / "with.gguf"
+    _write_gguf(with_template, template)
+    assert models._gguf_chat_template(with_template) == template
+    without = tmp_path / "without.gguf"
+    _write_gguf(without, None)
+    assert models._gguf_chat_template(without) is None
