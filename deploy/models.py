@@ -534,6 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in args.names:
                 get_spec(name)  # fail fast on a typo, before any download
             for name in args.names:
+                if is_complete(model_dir(name, args.cache_dir)):
+                    print(f"[{name}] already fetched: {model_dir(name, args.cache_dir)}", flush=True)
+                    continue
                 started = time.perf_counter()
                 folder = fetch(name, args.cache_dir, log=lambda message: print(message, flush=True))
                 peak = _peak_rss_mb()
