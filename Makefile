@@ -26,7 +26,7 @@ lint:
 	$(PYTHON) -m mypy speculative actors deploy bench
 
 run: models  ## generate with the default Qwen pair
-	$(PYTHON) -m speculative.cli --target $(TARGET) --draft $(DRAFT) --prompt "Write a Python function that checks whether a number is prime."
+	$(PYTHON) -m deploy.cli generate --target $(TARGET) --draft $(DRAFT) --prompt "Write a Python function that checks whether a number is prime."
 
 bench: models
 	$(PYTHON) -m bench.single_stream

@@ -9,6 +9,7 @@ leave between steps (continuous batching). Runs with no drafter as plain decodin
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,16 @@ class SequenceStats:
     def acceptance_length(self) -> float:
         """Tokens committed per target step, bonus included."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class StepTimes:
+    """Wall time of the decoder's phases, summed over steps (seconds)."""
+
+    steps: int = 0
+    draft: float = 0.0  # drafter.propose
+    verify: float = 0.0  # the target's batched forward + acceptance + commit
+    total: float = 0.0  # whole steps, bookkeeping included
 
 
 @dataclass
@@ -74,6 +85,7 @@ class SpeculativeDecoder:
         self._pending: list[Sequence] = []
         self._ids = itertools.count()
         self.finished: list[Sequence] = []  # done since the last generate() began
+        self.times = StepTimes()
 
     def add(self, prompt: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         if not prompt:
@@ -101,15 +113,23 @@ class SpeculativeDecoder:
         self._pending = []
         if not self.active:
             return []
+        t0 = time.perf_counter()
         seqs = list(self.active.values())
         proposals = self._propose(seqs)
+        t1 = time.perf_counter()
         items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p) for s, p in zip(seqs, proposals, strict=True)]
         verdicts = self.target.verify(items)
+        t2 = time.perf_counter()
         outputs = [
             self._commit(seq, prop, v.tokens, len(v.accepted))
             for seq, prop, v in zip(seqs, proposals, verdicts, strict=True)
         ]
         self._finish([s for s in seqs if s.finish_reason is not None])
+        times = self.times
+        times.steps += 1
+        times.draft += t1 - t0
+        times.verify += t2 - t1
+        times.total += time.perf_counter() - t0
         return outputs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:

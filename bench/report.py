@@ -1,0 +1,64 @@
+"""Writing benchmark results: JSON + a markdown table + PNG plots under bench/results/, with the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+    }
+
+
+def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write(name: str, data: dict[str, Any], markdown: str) -> Path:
+    """bench/results/<name>.json and .md; returns the path stem for plots (<name>.png)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine(), **data}
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    info = data["machine"]
+    header = f"Machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}"
+    header += f", GPU {info['gpu']}" if info["gpu"] else ", no GPU"
+    header += f"; commit {info['commit']}.\n\n"
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{header}{markdown}\n")
+    return RESULTS / name

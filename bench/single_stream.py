@@ -1,0 +1,229 @@
+"""Single-stream benchmark on the Qwen pair: target alone, our drafters, and HF assisted generation.
+
+One process, same prompts, same machine, each method in turn per dtype:
+- target: HF `generate(do_sample=False)` with the target alone (the reference output and T);
+- plain: our decoder with no drafter (our own overhead over HF);
+- chain / tree / lookup: our speculative decoder;
+- hf-assisted: HF `generate(assistant_model=draft)`, its default schedule.
+Reports tokens/s, acceptance length L (tokens per target step), speedup over the target alone, the
+analytic bound L*T/(V+D) of DESIGN.md (T: target decode step, V: our verify step, D: our draft
+round, all measured in this run), and whether each prompt's output equals the target's greedy one.
+
+    python -m bench.single_stream [--dtypes bfloat16,float32] [--new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench import report
+from deploy.local import LocalModels
+from speculative.adaptive import AdaptiveConfig
+from speculative.drafters.config import DrafterConfig
+from speculative.sampling import SamplingParams
+
+PROMPTS = {
+    "code": "Write a Python function that merges two sorted lists into one sorted list.",
+    "prose": "Write a short paragraph about why the sky is blue.",
+    "list": "List the first ten prime numbers, one per line, with a short note on each.",
+    "chat": "Hi! Can you recommend a good way to learn a new programming language?",
+    "code-edit": (
+        "Rename the function `calc` to `total_price` and change nothing else:\n\n"
+        "def calc(items, tax):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * item.qty\n"
+        "    discount = 0.1 * subtotal if subtotal > 100 else 0\n    return (subtotal - discount) * (1 + tax)\n"
+    ),
+}
+OURS = {
+    "plain": DrafterConfig(kind="none"),
+    "chain": DrafterConfig(kind="model"),
+    "tree": DrafterConfig(kind="model", tree_width=2, tree_nodes=6),
+    "lookup": DrafterConfig(kind="lookup"),
+}
+
+
+def run_ours(models: LocalModels, config: DrafterConfig, prompt: list[int], n: int, depth: int) -> dict[str, Any]:
+    draft_cost = 0.0 if config.kind != "model" else 0.4
+    decoder = models.decoder(config, AdaptiveConfig(max_depth=depth, draft_cost=draft_cost))
+    start = time.perf_counter()
+    (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    t = decoder.times
+    return {
+        "tokens": seq.output,
+        "seconds": elapsed,
+        "steps": seq.stats.steps,
+        "acceptance_length": seq.stats.acceptance_length,
+        "verify_s": t.verify / max(t.steps, 1),
+        "draft_s": t.draft / max(t.steps, 1),
+    }
+
+
+def run_hf(models: LocalModels, prompt: list[int], n: int, assisted: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"assistant_model": models.draft.model} if assisted and models.draft else {}
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    target: Any = models.target.model
+    with torch.no_grad():
+        out = target.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kwargs)
+    return {"tokens": out[0, len(prompt) :].tolist(), "seconds": time.perf_counter() - start}
+
+
+def bench_dtype(dtype: str, n: int, depth: int, target: str, draft: str) -> list[dict[str, Any]]:
+    models = LocalModels.load(target, draft, dtype)
+    prompts = {k: models.chat_prompt(v) for k, v in PROMPTS.items()}
+
+    def ours(config: DrafterConfig) -> Callable[[list[int]], dict[str, Any]]:
+        return lambda p: run_ours(models, config, p, n, depth)
+
+    methods: dict[str, Callable[[list[int]], dict[str, Any]]] = {
+        "target": lambda p: run_hf(models, p, n, assisted=False),
+        **{name: ours(config) for name, config in OURS.items()},
+        "hf-assisted": lambda p: run_hf(models, p, n, assisted=True),
+    }
+    warm = models.chat_prompt("Hello")
+    for fn in methods.values():  # warm-up: first-call allocations and kernel selection
+        run = fn(warm[:8])
+        del run
+    rows = []
+    reference: dict[str, list[int]] = {}
+    for method, fn in methods.items():
+        for kind, prompt in prompts.items():
+            result = fn(prompt)
+            if method == "target":
+                reference[kind] = result["tokens"]
+            result.update(dtype=dtype, method=method, prompt=kind, exact=result["tokens"] == reference[kind])
+            rows.append(result)
+            print(
+                f"{dtype:9s} {method:12s} {kind:10s} {len(result['tokens']) / result['seconds']:6.2f} tok/s "
+                f"exact={result['exact']}",
+                flush=True,
+            )
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        base = [r for r in rows if r["dtype"] == dtype and r["method"] == "target"]
+        target_step = sum(r["seconds"] for r in base) / sum(len(r["tokens"]) for r in base)  # T
+        for method in dict.fromkeys(r["method"] for r in rows):
+            rs = [r for r in rows if r["dtype"] == dtype and r["method"] == method]
+            tokens = sum(len(r["tokens"]) for r in rs)
+            seconds = sum(r["seconds"] for r in rs)
+            entry: dict[str, Any] = {
+                "dtype": dtype,
+                "method": method,
+                "tokens_per_s": tokens / seconds,
+                "speedup": (tokens / seconds) * target_step,
+                "exact_prompts": f"{sum(r['exact'] for r in rs)}/{len(rs)}",
+            }
+            if "steps" in rs[0]:
+                steps = sum(r["steps"] for r in rs)
+                length = tokens / steps
+                verify = sum(r["verify_s"] * r["steps"] for r in rs) / steps
+                draft = sum(r["draft_s"] * r["steps"] for r in rs) / steps
+                bound = length * target_step / (verify + draft)
+                entry.update(
+                    acceptance_length=length,
+                    verify_ms=verify * 1e3,
+                    draft_ms=draft * 1e3,
+                    bound=bound,
+                    efficiency=entry["speedup"] / bound,
+                )
+            out.append(entry)
+    return out
+
+
+def plot(summary: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(dict.fromkeys(s["dtype"] for s in summary))
+    methods = list(dict.fromkeys(s["method"] for s in summary))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(dtypes)
+    for i, dtype in enumerate(dtypes):
+        ss = {s["method"]: s for s in summary if s["dtype"] == dtype}
+        xs = [j + i * width for j in range(len(methods))]
+        ax.bar(xs, [ss[m]["speedup"] for m in methods], width, label=f"{dtype} measured")
+        bx = [x for x, m in zip(xs, methods, strict=True) if "bound" in ss[m]]
+        ax.scatter(
+            bx,
+            [ss[m]["bound"] for m in methods if "bound" in ss[m]],
+            marker="_",
+            s=400,
+            c="k",
+            label="analytic bound" if i == 0 else None,
+        )
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([j + width * (len(dtypes) - 1) / 2 for j in range(len(methods))], methods)
+    ax.set_ylabel("speedup over target alone")
+    ax.set_title("Single stream, Qwen2.5-Coder 1.5B target / 0.5B draft, greedy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--max-depth", type=int, default=4)
+    parser.add_argument("--target", default="qwen-1.5b")
+    parser.add_argument("--draft", default="qwen-0.5b")
+    args = parser.parse_args()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        rows += bench_dtype(dtype, args.new_tokens, args.max_depth, args.target, args.draft)
+    summary = summarise(rows)
+    columns = [
+        "dtype",
+        "method",
+        "tokens/s",
+        "speedup",
+        "accept len",
+        "verify ms",
+        "draft ms",
+        "bound",
+        "efficiency",
+        "exact",
+    ]
+    table = [
+        [
+            s["dtype"],
+            s["method"],
+            s["tokens_per_s"],
+            s["speedup"],
+            s.get("acceptance_length", "-"),
+            s.get("verify_ms", "-"),
+            s.get("draft_ms", "-"),
+            s.get("bound", "-"),
+            s.get("efficiency", "-"),
+            s["exact_prompts"],
+        ]
+        for s in summary
+    ]
+    notes = (
+        f"{len(PROMPTS)} prompts ({', '.join(PROMPTS)}), {args.new_tokens} new tokens each, greedy, batch 1. "
+        "speedup = tokens/s over the target alone (HF generate) in the same run; bound = L*T/(V+D) "
+        "(DESIGN.md); efficiency = speedup / bound; exact = prompts whose output equals the target's own "
+        "greedy output.\n\n"
+    )
+    stem = report.write(
+        "single_stream",
+        {"args": vars(args), "summary": summary, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
+        notes + report.markdown_table(columns, table) + "\n\n![speedup](single_stream.png)",
+    )
+    plot(summary, f"{stem}.png")
+    print(report.markdown_table(columns, table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""An in-process speculative decoder from model names: the CLI's `generate` and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from deploy.models import resolve
+from speculative.adaptive import AdaptiveConfig
+from speculative.decoder import SpeculativeDecoder
+from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.loading import LoadedModel, load_model
+from speculative.runner import ModelRunner
+from speculative.target import TargetVerifier
+
+
+@dataclass(frozen=True)
+class LocalModels:
+    target: LoadedModel
+    draft: LoadedModel | None
+
+    @staticmethod
+    def load(target: str, draft: str | None, dtype: str) -> LocalModels:
+        """`target` / `draft`: registry names (deploy/models.py), local folders or hub ids."""
+        return LocalModels(load_model(resolve(target), dtype), load_model(resolve(draft), dtype) if draft else None)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.target.tokenizer
+
+    def decoder(self, drafter: DrafterConfig, adaptive: AdaptiveConfig) -> SpeculativeDecoder:
+        """A fresh decoder (empty caches) over the loaded weights."""
+        target_runner = ModelRunner(self.target.model)
+        draft_model = self.draft.model if self.draft is not None else None
+        tokenizer = self.tokenizer
+        return SpeculativeDecoder(
+            TargetVerifier(target_runner),
+            build_drafter(drafter, draft_model, target_runner.vocab_size),
+            adaptive,
+            eos_ids=self.target.eos_ids,
+            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        )
+
+    def chat_prompt(self, user: str) -> list[int]:
+        """Token ids of a one-turn chat in the target's own template (plain text if it has none)."""
+        tok = self.tokenizer
+        text = user
+        if tok.chat_template:
+            text = str(
+                tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+            )
+        return list(tok(text, add_special_tokens=not tok.chat_template)["input_ids"])

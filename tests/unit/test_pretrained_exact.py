@@ -1,0 +1,88 @@
+"""Greedy exactness on real pretrained models (MODELS.md): SmolLM2-135M and the Qwen2.5-Coder pair.
+
+fp32, against each target's own `generate(do_sample=False)`. `make test` fetches the models first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from deploy.models import is_complete, model_dir
+from speculative.adaptive import AdaptiveConfig
+from speculative.decoder import SpeculativeDecoder
+from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.loading import LoadedModel, load_model, truncated_copy
+from speculative.runner import ModelRunner
+from speculative.target import TargetVerifier
+
+pytestmark = pytest.mark.slow
+
+USER_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Rename the variable x to count in: x = 0\nfor item in items:\n    x += 1\nprint(x)",
+    "List three colours.",
+]
+DRAFTERS = {
+    "chain": DrafterConfig(kind="model"),
+    "tree": DrafterConfig(kind="model", tree_width=2, tree_nodes=8),
+    "lookup": DrafterConfig(kind="lookup"),
+}
+
+
+def fetched(name: str) -> LoadedModel:
+    folder = model_dir(name)
+    if not is_complete(folder):
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not fetched: `make models` must run before the tests in CI")
+        pytest.skip(f"{name} not fetched; run `make models`")
+    return load_model(str(folder), "float32")
+
+
+def chat_ids(model: LoadedModel, text: str) -> list[int]:
+    ids = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def reference(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    out = model.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def check_exact(target: LoadedModel, draft_model, new_tokens: int, prompts: list[list[int]]) -> dict[str, float]:
+    from speculative.sampling import SamplingParams
+
+    refs = [reference(target, p, new_tokens) for p in prompts]
+    acceptance = {}
+    for name, config in DRAFTERS.items():
+        decoder = SpeculativeDecoder(
+            TargetVerifier(ModelRunner(target.model)),
+            build_drafter(config, draft_model, target.model.config.vocab_size),
+            AdaptiveConfig(max_depth=4),
+            eos_ids=target.eos_ids,
+        )
+        outs = decoder.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens))
+        assert [o.output for o in outs] == refs, f"{name} drafter differs from generate()"
+        acceptance[name] = sum(o.stats.accepted + o.stats.steps for o in outs) / sum(o.stats.steps for o in outs)
+    return acceptance
+
+
+def test_smollm2_with_self_draft_and_lookup():
+    target = fetched("smollm2-135m")
+    draft = truncated_copy(target.model, 10)
+    prompts = [chat_ids(target, p) for p in USER_PROMPTS]
+    acceptance = check_exact(target, draft, 32, prompts)
+    print("smollm2 acceptance length", acceptance)
+
+
+def test_qwen_pair():
+    target = fetched("qwen-1.5b")
+    draft = fetched("qwen-0.5b")
+    prompts = [chat_ids(target, p) for p in USER_PROMPTS[:2]]
+    acceptance = check_exact(target, draft.model, 24, prompts)
+    print("qwen acceptance length", acceptance)
+    assert acceptance["chain"] > 1.5  # a real same-tokenizer pair agrees most of the time
