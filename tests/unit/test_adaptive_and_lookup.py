@@ -1,0 +1,80 @@
+"""Adaptive speculation depth, prompt lookup, and token-tree construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative.adaptive import AdaptiveConfig, AdaptiveDepth, best_depth, expected_tokens
+from speculative.drafters.base import DraftRequest
+from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation
+from speculative.sampling import SamplingParams
+from speculative.tree import TokenTree
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_best_depth_grows_with_acceptance_and_vanishes_when_drafts_fail():
+    config = AdaptiveConfig(max_depth=8, draft_cost=0.3, verify_overhead=0.1)
+    depths = [best_depth(a, config) for a in (0.05, 0.3, 0.6, 0.9, 0.99)]
+    assert depths[0] == 0  # drafting a token that is never accepted only costs
+    assert depths == sorted(depths) and depths[-1] >= 6
+    assert best_depth(0.99, config.model_copy(update={"draft_cost": 0.0})) == 8  # free drafts: max
+
+
+def test_sequence_depth_follows_its_acceptance_and_probes_back():
+    state = AdaptiveDepth(AdaptiveConfig(max_depth=6, probe_every=3))
+    for _ in range(10):
+        k = state.next_depth()
+        state.update(k, 0)  # every draft rejected
+    assert state.next_depth() in (0, 1)
+    probes = [state.next_depth() for _ in range(6)]
+    assert probes.count(1) == 2 and probes.count(0) == 4  # a k=1 probe every third step at k=0
+    for _ in range(12):
+        k = max(state.next_depth(), 1)
+        state.update(k, k)  # everything accepted
+    assert state.next_depth() == 6
+
+
+def test_disabled_adaptation_always_drafts_max_depth():
+    state = AdaptiveDepth(AdaptiveConfig(max_depth=5, enabled=False))
+    state.update(5, 0)
+    assert state.next_depth() == 5
+
+
+def test_lookup_copies_continuation_of_latest_longest_match():
+    seq = torch.tensor([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert lookup_continuation(seq, max_ngram=3, min_ngram=1, length=3) == [7, 8, 5]  # "2 3" last seen before 7
+    assert lookup_continuation(torch.tensor([4, 5, 6]), 3, 1, 3) == []
+    assert lookup_continuation(torch.tensor([4, 4]), 3, 1, 3) == [4]
+
+
+def test_lookup_drafter_respects_budget_and_proposes_a_chain():
+    drafter = PromptLookupDrafter(max_ngram=2)
+    params = SamplingParams(temperature=0.0)
+    req = DraftRequest("s", (1, 2, 3, 4, 1, 2), budget=2, params=params)
+    (prop,) = drafter.propose([req])
+    assert prop.tree.root == 2 and prop.tree.tokens == (3, 4) and prop.tree.parents == (0, 1)
+    (none,) = drafter.propose([DraftRequest("s", (1, 2, 3), budget=0, params=params)])
+    assert none.tree.size == 0
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(max_ngram=1, min_ngram=2)
+
+
+def test_tree_structure_and_validation():
+    tree = TokenTree(9, (10, 11, 12, 13), (0, 0, 1, 1))
+    assert tree.children == ((1, 2), (3, 4), (), (), ())
+    assert tree.depths == (0, 1, 1, 2, 2)
+    assert tree.path_tokens(4) == [10, 13]
+    assert tree.runner_parents() == [-1, 0, 0, 1, 1]
+    mask = tree.ancestor_mask()
+    assert mask[4].tolist() == [True, True, False, False, True]
+    with pytest.raises(ValueError, match="precede"):
+        TokenTree(9, (10, 11), (0, 2))
+    with pytest.raises(ValueError, match="two children"):
+        TokenTree(9, (10, 10), (0, 0))
+    assert TokenTree.chain(1, [2, 3]).parents == (0, 1)
