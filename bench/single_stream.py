@@ -43,11 +43,12 @@ OURS = {
     "chain": DrafterConfig(kind="model"),
     "tree": DrafterConfig(kind="model", tree_width=2, tree_nodes=6),
     "lookup": DrafterConfig(kind="lookup"),
+    "hybrid": DrafterConfig(kind="hybrid"),
 }
 
 
 def run_ours(models: LocalModels, config: DrafterConfig, prompt: list[int], n: int, depth: int) -> dict[str, Any]:
-    draft_cost = 0.0 if config.kind != "model" else 0.4
+    draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0
     decoder = models.decoder(config, AdaptiveConfig(max_depth=depth, draft_cost=draft_cost))
     start = time.perf_counter()
     (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))

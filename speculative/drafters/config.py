@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
 from speculative.drafters.base import Drafter
+from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.model import DraftModelDrafter
 from speculative.runner import ModelRunner
@@ -18,8 +19,10 @@ class DrafterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["none", "model", "lookup"] = Field(
-        "model", description="none: plain decoding; model: a draft LM; lookup: n-gram prompt lookup."
+    kind: Literal["none", "model", "lookup", "hybrid"] = Field(
+        "model",
+        description="none: plain decoding; model: a draft LM; lookup: n-gram prompt lookup; "
+        "hybrid: lookup where it finds a match, else the draft LM.",
     )
     tree_width: int = Field(
         1, ge=1, le=16, description="1 drafts a chain; w > 1 gives each expanded node w children, w nodes per depth."
@@ -40,11 +43,16 @@ def build_drafter(config: DrafterConfig, draft_model: PreTrainedModel | None, ta
     if config.kind == "lookup":
         return PromptLookupDrafter(config.max_ngram, config.min_ngram)
     if draft_model is None:
-        raise ValueError("drafter kind 'model' needs a draft model")
-    return DraftModelDrafter(
+        raise ValueError(f"drafter kind {config.kind!r} needs a draft model")
+    model = DraftModelDrafter(
         ModelRunner(draft_model),
         target_vocab,
         tree_width=config.tree_width,
         tree_nodes=config.tree_nodes,
         sampled=config.sampled,
     )
+    if config.kind == "hybrid":
+        # 1-gram matches are too weak to displace the model: hybrid matches 2-grams at least.
+        lookup = PromptLookupDrafter(max(config.max_ngram, 2), max(config.min_ngram, 2))
+        return HybridDrafter(lookup, model)
+    return model

@@ -24,6 +24,7 @@ DRAFTERS = {
     "chain": DrafterConfig(kind="model"),
     "tree": DrafterConfig(kind="model", tree_width=3, tree_nodes=12),
     "lookup": DrafterConfig(kind="lookup"),
+    "hybrid": DrafterConfig(kind="hybrid"),
     "none": DrafterConfig(kind="none"),
 }
 

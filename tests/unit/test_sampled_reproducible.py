@@ -36,6 +36,7 @@ CONFIGS = {
     "tree-rejection": DrafterConfig(kind="model", tree_width=2, tree_nodes=8),
     "tree-topk": DrafterConfig(kind="model", tree_width=3, tree_nodes=12, sampled=False),
     "lookup": DrafterConfig(kind="lookup"),
+    "hybrid": DrafterConfig(kind="hybrid"),
 }
 
 
