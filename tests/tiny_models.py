@@ -12,18 +12,9 @@ ARCHS = ("llama", "qwen2", "gpt2")
 
 
 def tiny_config(arch: str, layers: int = 2):
-    if arch == "llama":
-        return LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-        )
-    if arch == "qwen2":
-        return Qwen2Config(
+    if arch in ("llama", "qwen2"):
+        config_class = LlamaConfig if arch == "llama" else Qwen2Config
+        return config_class(
             vocab_size=VOCAB,
             hidden_size=64,
             intermediate_size=128,
