@@ -6,21 +6,29 @@ export SPECSERVE_MODELS ?= $(HOME)/.cache/specserve/models
 TARGET ?= qwen-1.5b
 DRAFT ?= qwen-0.5b
 
-.PHONY: setup models test test-fast lint run bench
+PROTO_STUBS := proto/specserve_pb2.py proto/specserve_pb2.pyi proto/specserve_pb2_grpc.py
+
+.PHONY: setup models test test-fast lint run bench proto
 
 setup:  ## install the package and its dev tools; torch pinned here so CPU machines take the CPU wheel
 	$(PIP) install -q "torch==2.13.0" -e ".[dev]"
+	$(MAKE) proto
+
+proto: $(PROTO_STUBS)  ## generate the gRPC stubs of proto/specserve.proto (git-ignored)
+
+$(PROTO_STUBS) &: proto/specserve.proto
+	$(PYTHON) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/specserve.proto
 
 models: setup  ## fetch + convert the real models of shared/MODELS.md (skipped when present)
 	$(PYTHON) -m deploy.models fetch qwen-1.5b qwen-0.5b smollm2-135m
 
-test: models  ## the whole suite, as CI runs it
+test: models proto  ## the whole suite, as CI runs it
 	$(PYTHON) -m pytest -q --timeout=1800
 
-test-fast:  ## unit tests only, no pretrained models
+test-fast: proto  ## unit tests only, no pretrained models
 	$(PYTHON) -m pytest -q -m "not slow"
 
-lint:
+lint: proto
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy speculative actors deploy bench

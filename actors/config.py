@@ -1,0 +1,137 @@
+"""Configuration of each actor role: one pydantic model per component, validated at the boundary.
+
+`deploy/config.py` composes these with per-pool resources and autoscaling into the application's
+one config; the actors see only their own part.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from speculative.adaptive import AdaptiveConfig
+from speculative.drafters.config import DrafterConfig
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelConfig(BaseModel):
+    """Where a model comes from and how it is held in memory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(
+        min_length=1,
+        description="A registry short name of deploy/models.py (qwen-1.5b, ...), a local HF folder or a hub id.",
+    )
+    dtype: Dtype = Field(default="bfloat16", description="bfloat16 for speed on CPU; float32 for exactness tests.")
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu",
+        description="Where the weights live. Chosen by configuration, never by the GPU ids Ray assigns "
+        "(a GPU may be declared to Ray without CUDA behind it). The core runner is CPU-only today.",
+    )
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="torch.set_num_threads in the worker; None keeps Ray's OMP_NUM_THREADS.",
+    )
+
+
+class DraftWorkerConfig(BaseModel):
+    """One draft replica: a drafter per (router lane, micro-batch group) over one shared draft model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig | None = Field(
+        default=None, description="The draft model; None for drafters without one (lookup)."
+    )
+    target_model: str = Field(min_length=1, description="The target model (for its vocabulary size only).")
+    drafter: DrafterConfig = Field(
+        default_factory=lambda: DrafterConfig.model_validate({}), description="Proposal shape."
+    )
+    idle_evict_s: float = Field(
+        default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this long unused (a router died)."
+    )
+
+
+class TargetConfig(BaseModel):
+    """One target replica: `tp_size` shard actors holding one tensor-parallel copy of the target."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig = Field(description="The target model.")
+    tp_size: int = Field(
+        default=1, ge=1, le=64, description="Tensor-parallel degree: shard actors (and GPUs) per replica."
+    )
+    torch_extensions_dir: str = Field(
+        default="~/.cache/specserve/torch_extensions",
+        description="TORCH_EXTENSIONS_DIR of the shards: DeepSpeed compiles its CPU shared-memory all-reduce "
+        "here once (~2 min on 2 cores) and every later start reuses it.",
+    )
+    idle_evict_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Drop a lane group's KV cache after this long unused (a router died).",
+    )
+    shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs each shard actor reserves.")
+    shard_num_gpus: float = Field(
+        default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."
+    )
+    shard_start_timeout_s: float = Field(
+        default=900.0, gt=0, le=7_200, description="Loading plus the first DeepSpeed compile may take minutes."
+    )
+
+
+class SpeculationLimits(BaseModel):
+    """How far the router lets a batch speculate: per sequence by acceptance, per batch by load."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    adaptive: AdaptiveConfig = Field(
+        default_factory=lambda: AdaptiveConfig.model_validate({}), description="Per-sequence depth rule."
+    )
+    verify_token_budget: int = Field(
+        default=64,
+        ge=1,
+        le=65_536,
+        description="Most tree nodes one verify forward should carry; beyond it depths shrink, since each "
+        "token past the 'free' region of a forward costs as much as decoding it.",
+    )
+    shrink_when_queued: bool = Field(
+        default=True, description="Halve the depth cap for each verify call queued at the target (saturation -> k=0)."
+    )
+
+
+class RouterConfig(BaseModel):
+    """The ingress: sequences, lanes, and the step loop."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipelining: bool = Field(
+        default=True, description="Micro-batch ping-pong: draft one half of a lane while the target verifies the other."
+    )
+    max_lane_sequences: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Sequences per lane before a new lane opens. A lane is pinned to one draft and one target "
+        "replica, so lanes are the unit that spreads load over replicas.",
+    )
+    max_lanes: int = Field(default=8, ge=1, le=1024, description="Lanes per router replica.")
+    max_active_sequences: int = Field(
+        default=256, ge=1, le=100_000, description="Admitted sequences per router replica; more are refused (overload)."
+    )
+    verify_retries: int = Field(
+        default=3, ge=0, le=100, description="A failed verify call (replica lost) is retried; the retry re-prefills."
+    )
+    draft_backoff_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=600,
+        description="After a failed draft call the lane decodes without speculation this long.",
+    )
+    stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
+    limits: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Speculation limits.")

@@ -1,0 +1,76 @@
+"""A draft replica: proposes token trees for a lane's micro-batch on one draft model.
+
+Holds only soft state: a drafter (with its KV cache) per group key; every request carries the
+sequence's committed tokens, so a replica that restarted or never saw a sequence re-prefills it.
+Calls are serialized (one model, one compute stream) and run in a thread so the replica keeps
+answering Serve's health and metrics probes while it computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from actors.config import DraftWorkerConfig
+from actors.groups import GroupCaches
+from actors.loading import Resolver, identity, load_lm, vocab_size_of
+from actors.placement import replica_tag, where
+from actors.scaling import BUSY_METRIC, BusyMeter
+from actors.wire import Drafted, Stopwatch, WireProposal
+from speculative.drafters.base import Drafter, DraftRequest, empty_proposal
+from speculative.drafters.config import build_drafter
+
+
+class DraftWorker:
+    def __init__(self, config: DraftWorkerConfig, resolve: Resolver = identity) -> None:
+        self.config = config
+        self.model = load_lm(config.model, resolve) if config.model is not None else None
+        self.target_vocab = vocab_size_of(config.target_model, resolve)
+        self._caches: GroupCaches[Drafter | None] = GroupCaches(self._new_drafter, config.idle_evict_s)
+        self._lock = threading.Lock()  # one forward at a time on the shared model
+        self._busy = BusyMeter()
+        self._calls = 0
+        self.tag = replica_tag(self)
+
+    def _new_drafter(self) -> Drafter | None:
+        return build_drafter(self.config.drafter, self.model, self.target_vocab)
+
+    async def propose(
+        self, cache_key: str, requests: list[DraftRequest], release: list[str], lane: str | None = None
+    ) -> Drafted:
+        """Proposals for `requests` in order; first forgets `release`. `lane` is for request routing."""
+        return await asyncio.to_thread(self._propose, cache_key, requests, release)
+
+    def _propose(self, cache_key: str, requests: list[DraftRequest], release: list[str]) -> Drafted:
+        with self._lock:
+            self._busy.start()
+            try:
+                with Stopwatch() as sw:
+                    self._caches.drop(self._caches.idle())
+                    drafter = self._caches.get(cache_key)
+                    if drafter is not None and release:
+                        drafter.release(release)
+                    proposals = (
+                        drafter.propose(requests) if drafter is not None else [empty_proposal(r) for r in requests]
+                    )
+                self._calls += 1
+            finally:
+                self._busy.stop()
+        return Drafted([WireProposal.encode(p) for p in proposals], sw.work, self.tag)
+
+    async def release(self, cache_key: str, seq_ids: list[str], lane: str | None = None) -> None:
+        await asyncio.to_thread(self._release, cache_key, seq_ids)
+
+    def _release(self, cache_key: str, seq_ids: list[str]) -> None:
+        with self._lock:
+            drafter = self._caches.peek(cache_key)
+            if drafter is not None:
+                drafter.release(seq_ids)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook (see actors/scaling.py)."""
+        return {BUSY_METRIC: self._busy.take()}
+
+    def describe(self, lane: str | None = None) -> dict[str, Any]:
+        return {"role": "draft", "replica": self.tag, "groups": len(self._caches), "calls": self._calls, **where()}

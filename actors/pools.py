@@ -1,0 +1,38 @@
+"""How the router reaches a pool of replicas: Serve handles in deployment, objects in tests.
+
+Every call names its lane (`lane=`), the affinity key that `actors.affinity.LaneAffinityRouter`
+pins to one replica; calls without a lane (`info`) go to any replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Pool(Protocol):
+    async def call(self, method: str, lane: str | None, *args: Any) -> Any: ...
+
+
+class ServePool:
+    """A deployment behind its `DeploymentHandle`; Serve picks the replica (by lane affinity)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def call(self, method: str, lane: str | None, *args: Any) -> Any:
+        kwargs = {} if lane is None else {"lane": lane}
+        return await getattr(self.handle, method).remote(*args, **kwargs)
+
+
+class LocalPool:
+    """Replica objects in this process, lanes pinned round-robin in order of first use (tests)."""
+
+    def __init__(self, replicas: list[Any]) -> None:
+        if not replicas:
+            raise ValueError("a pool needs at least one replica")
+        self.replicas = replicas
+        self.pinned: dict[str, int] = {}
+
+    async def call(self, method: str, lane: str | None, *args: Any) -> Any:
+        index = 0 if lane is None else self.pinned.setdefault(lane, len(self.pinned) % len(self.replicas))
+        return await getattr(self.replicas[index], method)(*args)

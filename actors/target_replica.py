@@ -1,0 +1,161 @@
+"""A target replica: one tensor-parallel copy of the target, as `tp_size` shard actors.
+
+The Serve replica owns a placement group of `tp_size` bundles (declared on the deployment with
+`placement_group_bundles` + STRICT_PACK, so Serve creates, places and frees it with the replica)
+and starts one `TargetShard` actor in each bundle. Why this and not Serve's gang scheduling
+(`gang_scheduling_config`): a gang makes every rank its own Serve replica, which the request
+router would route to independently, while a TP group must receive every call on all ranks in
+lockstep. Here one Serve replica is one TP group: routing, affinity and autoscaling count whole
+groups, and the replica is the only caller of its shards, so it alone orders their calls.
+
+The replica itself reserves no GPU (its shards hold them) and serializes verify calls: the
+shards must see calls in the same order, and a forward uses the whole model anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.config import TargetConfig
+from actors.loading import Resolver, identity
+from actors.placement import replica_tag, where
+from actors.scaling import BUSY_METRIC, BusyMeter
+from actors.target_shard import TargetShard
+from actors.wire import TargetInfo, Verified, WireVerifyItem
+
+logger = logging.getLogger(__name__)
+
+
+class Shards(Protocol):
+    async def call(self, method: str, *args: Any) -> list[Any]:
+        """Run `method(*args)` on every shard; results in rank order."""
+        ...
+
+
+class LocalShards:
+    """In-process shards (tp_size 1 only: one process cannot hold two ranks); for tests without Ray."""
+
+    def __init__(self, shards: list[TargetShard]) -> None:
+        if len(shards) != 1:
+            raise ValueError("in-process shards support tp_size 1 only")
+        self.shards = shards
+        shards[0].load()
+
+    async def call(self, method: str, *args: Any) -> list[Any]:
+        return [await asyncio.to_thread(getattr(self.shards[0], method), *args)]
+
+
+class RayShards:
+    """`TargetShard` actors in the calling replica's placement group, one per bundle."""
+
+    def __init__(self, config: TargetConfig, resolve: Resolver) -> None:
+        pg = ray.util.get_current_placement_group()
+        if pg is None and config.tp_size > 1:
+            logger.warning("no placement group: the %d shards may land on different nodes", config.tp_size)
+        remote: Any = ray.remote(TargetShard)
+        self.actors: list[Any] = [
+            remote.options(
+                num_cpus=config.shard_num_cpus,
+                num_gpus=config.shard_num_gpus,
+                scheduling_strategy=None if pg is None else PlacementGroupSchedulingStrategy(pg, rank),
+            ).remote(config, rank, resolve)
+            for rank in range(config.tp_size)
+        ]
+        address, port = ray.get(self.actors[0].address.remote()) if config.tp_size > 1 else (None, None)
+        ray.get([a.load.remote(address, port) for a in self.actors], timeout=config.shard_start_timeout_s)
+
+    async def call(self, method: str, *args: Any) -> list[Any]:
+        # One copy of large arguments in the object store, read by every shard.
+        refs = [ray.put(a) if isinstance(a, list) and len(self.actors) > 1 else a for a in args]
+        return list(await asyncio.gather(*[getattr(a, method).remote(*refs) for a in self.actors]))
+
+
+class TargetReplica:
+    def __init__(self, config: TargetConfig, resolve: Resolver = identity, shards: Shards | None = None) -> None:
+        self.config = config
+        self.shards: Shards = shards if shards is not None else RayShards(config, resolve)
+        self._lock = asyncio.Lock()
+        self._waiting = 0  # verify calls waiting for the lock
+        self._used: dict[str, float] = {}  # group key -> last use (monotonic)
+        self._busy = BusyMeter()
+        self._failed: BaseException | None = None
+        self._calls = 0
+        self._disagreements = 0
+        self.tag = replica_tag(self)
+
+    async def verify(
+        self, cache_key: str, items: list[WireVerifyItem], release: list[str], lane: str | None = None
+    ) -> Verified:
+        """Verify a micro-batch on every shard; rank 0's verdicts. `lane` is for request routing."""
+        self._waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key))
+        finally:
+            self._lock.release()
+        verdicts, work = results[0]
+        if any(v != verdicts for v, _ in results[1:]):
+            # Cannot happen with identical logits; if it does, the shards' caches now differ, and the
+            # next forward would be shaped differently per rank. Forget the group everywhere: the
+            # next call re-prefills it identically on all ranks (rank 0's verdicts stand).
+            self._disagreements += 1
+            logger.error("target shards disagree on %s; dropping the group's caches", cache_key)
+            async with self._lock:
+                await self._on_shards("drop", [cache_key])
+        self._calls += 1
+        return Verified(verdicts, work, self._waiting, self.tag)
+
+    async def release(self, cache_key: str, seq_ids: list[str], lane: str | None = None) -> None:
+        async with self._lock:
+            await self._on_shards("release", cache_key, seq_ids)
+
+    async def info(self) -> TargetInfo:
+        info: TargetInfo = (await self.shards.call("info"))[0]
+        return info
+
+    async def describe(self, lane: str | None = None) -> dict[str, Any]:
+        shards = await self.shards.call("describe")
+        return {
+            "role": "target",
+            "replica": self.tag,
+            "tp_size": self.config.tp_size,
+            "calls": self._calls,
+            "disagreements": self._disagreements,
+            "shards": shards,
+            **where(),
+        }
+
+    def check_health(self) -> None:
+        """Serve's health hook: a lost shard makes the replica unhealthy, and Serve replaces it."""
+        if self._failed is not None:
+            raise RuntimeError(f"a target shard failed: {self._failed!r}")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {BUSY_METRIC: self._busy.take()}
+
+    def _expired(self, current: str) -> list[str]:
+        now = time.monotonic()
+        self._used[current] = now
+        gone = [k for k, t in self._used.items() if now - t > self.config.idle_evict_s]
+        for key in gone:
+            del self._used[key]
+        return gone
+
+    async def _on_shards(self, method: str, *args: Any) -> list[Any]:
+        self._busy.start()
+        try:
+            return await self.shards.call(method, *args)
+        except ray.exceptions.RayActorError as e:
+            self._failed = e
+            raise
+        finally:
+            self._busy.stop()

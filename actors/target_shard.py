@@ -1,0 +1,87 @@
+"""One tensor-parallel shard of a target replica (the whole model at tp_size 1).
+
+Every shard of a replica receives every call, in the same order, with the same arguments, and
+runs the same `TargetVerifier` code: the same forwards (so the all-reduces inside line up), the
+same logits on every rank (an all-reduce leaves one sum on all ranks), hence the same verdicts
+and the same commits. The replica returns rank 0's verdicts and checks the others agree. Which
+group caches to drop is decided by the replica and sent along, never by a shard's own clock, so
+the shards' caches never diverge.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+
+from actors import tp
+from actors.config import TargetConfig
+from actors.groups import GroupCaches
+from actors.loading import Resolver, identity, load_lm
+from actors.placement import where
+from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
+from speculative.acceptance import Verdict
+from speculative.loading import eos_ids_of
+from speculative.runner import ModelRunner
+from speculative.target import TargetVerifier
+
+
+class TargetShard:
+    def __init__(self, config: TargetConfig, rank: int, resolve: Resolver = identity) -> None:
+        self.config, self.rank, self._resolve = config, rank, resolve
+        self._verifiers: GroupCaches[TargetVerifier] | None = None
+        self._info: TargetInfo | None = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the group rendezvous: this node's address and a free port."""
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return host, int(s.getsockname()[1])
+
+    def load(self, address: str | None = None, port: int | None = None) -> TargetInfo:
+        """Join the TP group (tp_size > 1: every rank must call this concurrently) and load the model."""
+        world = self.config.tp_size
+        if world > 1:
+            if address is None or port is None:
+                raise ValueError("tp_size > 1 needs rank 0's address and port")
+            tp.join_group(self.rank, world, address, port, self.config.model.device, self.config.torch_extensions_dir)
+        model = load_lm(self.config.model, self._resolve)
+        eos = eos_ids_of(model)
+        model = tp.shard(model, world)
+        # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
+        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model)), float("inf"))
+        vocab = TargetVerifier(ModelRunner(model)).vocab_size
+        self._info = TargetInfo(vocab, eos, self.config.model.path)
+        return self._info
+
+    def verify(
+        self, cache_key: str, items: list[WireVerifyItem], release: list[str], drop: list[str]
+    ) -> tuple[list[Verdict], Work]:
+        assert self._verifiers is not None, "load() first"
+        with Stopwatch() as sw:
+            self._verifiers.drop(drop)
+            verifier = self._verifiers.get(cache_key)
+            if release:
+                verifier.release(release)
+            verdicts = verifier.verify([item.decode() for item in items])
+        return verdicts, sw.work
+
+    def release(self, cache_key: str, seq_ids: list[str]) -> None:
+        assert self._verifiers is not None, "load() first"
+        verifier = self._verifiers.peek(cache_key)
+        if verifier is not None:
+            verifier.release(seq_ids)
+
+    def drop(self, cache_keys: list[str]) -> None:
+        assert self._verifiers is not None, "load() first"
+        self._verifiers.drop(cache_keys)
+
+    def info(self) -> TargetInfo:
+        assert self._info is not None, "load() first"
+        return self._info
+
+    def describe(self) -> dict[str, Any]:
+        groups = 0 if self._verifiers is None else len(self._verifiers)
+        return {"role": "target_shard", "rank": self.rank, "groups": groups, **where()}

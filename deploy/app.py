@@ -1,0 +1,82 @@
+"""The Serve application: router (ingress) -> draft pool + target pool, built from one `AppConfig`.
+
+    serve run deploy/local.yaml             # or: serve run deploy.app:app_builder target_model=...
+    serve deploy deploy/cluster.yaml        # on a running cluster (KubeRay: the same import path)
+
+Embedded (a laptop, a test): `serve.run(build_app(config))` after `ray.init()`.
+
+Ray decorators are applied here, at build time; the classes in `actors/` are plain Python.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from actors.affinity import LaneAffinityRouter
+from actors.draft_worker import DraftWorker
+from actors.router import Router
+from actors.target_replica import TargetReplica
+from deploy.config import AppConfig
+from deploy.models import resolve
+
+# Lane calls go to the lane's pinned replica (actors/affinity.py).
+_AFFINITY = {"request_router_class": f"{LaneAffinityRouter.__module__}.{LaneAffinityRouter.__name__}"}
+
+# Draft and target calls are the hot path (one per lane per round): no per-call access log.
+_QUIET = {"enable_access_log": False}
+
+
+def build_app(config: AppConfig) -> Application:
+    resolver = functools.partial(resolve, cache_dir=config.model_cache_dir)
+    draft_cfg = config.draft_worker()
+    draft = None
+    if draft_cfg is not None:
+        pool = config.draft_pool
+        draft = serve.deployment(
+            name="draft",
+            ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+            max_ongoing_requests=pool.max_ongoing_requests,
+            request_router_config=_AFFINITY,
+            logging_config=_QUIET,
+            **pool.autoscaling.serve_options(),
+        )(DraftWorker).bind(draft_cfg, resolver)
+    target_pool = config.target_pool
+    target = serve.deployment(
+        name="target",
+        ray_actor_options={"num_cpus": target_pool.replica_num_cpus, "num_gpus": 0},
+        placement_group_bundles=_bundles(config),
+        placement_group_strategy="STRICT_PACK",
+        max_ongoing_requests=target_pool.max_ongoing_requests,
+        request_router_config=_AFFINITY,
+        logging_config=_QUIET,
+        **target_pool.autoscaling.serve_options(),
+    )(TargetReplica).bind(config.target(), resolver)
+    router_pool = config.router_pool
+    router = serve.deployment(
+        name="router",
+        ray_actor_options={"num_cpus": router_pool.num_cpus},
+        max_ongoing_requests=router_pool.max_ongoing_requests,
+        **router_pool.autoscaling.serve_options(),
+    )(Router)
+    return router.bind(config.router(), draft, target, tokenizer=config.target_model, resolve=resolver)
+
+
+def _bundles(config: AppConfig) -> list[dict[str, float]]:
+    """One bundle per shard; the replica actor (no GPU) rides in bundle 0, as Serve requires."""
+    pool = config.target_pool
+    bundles = []
+    for rank in range(config.tp_size):
+        bundle = {"CPU": pool.shard_num_cpus + (pool.replica_num_cpus if rank == 0 else 0.0)}
+        if pool.shard_num_gpus:
+            bundle["GPU"] = pool.shard_num_gpus
+        bundles.append(bundle)
+    return bundles
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve's application builder: `import_path: deploy.app:app_builder`, the YAML's `args` are an AppConfig."""
+    return build_app(AppConfig.model_validate(args))

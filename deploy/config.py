@@ -1,0 +1,186 @@
+"""The application's one config: models, dtype, tensor parallelism, drafter, speculation limits,
+and each pool's resources and autoscaling. `build_app` reads nothing else.
+
+The same file runs on a laptop (`device: cpu`, fractional CPUs, no GPUs) and on a GPU cluster
+(`num_gpus: 1` per draft replica and per target shard); `deploy/*.yaml` hold both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, SpeculationLimits, TargetConfig
+from actors.scaling import BusyFractionPolicy
+from speculative.drafters.config import DrafterConfig
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class Autoscaling(BaseModel):
+    """One pool's replica count: fixed (min == max) or scaled by Serve on the pool's own signal."""
+
+    model_config = _STRICT
+
+    min_replicas: int = Field(default=1, ge=0, le=10_000, description="Fewest replicas (0 allows scale to zero).")
+    max_replicas: int = Field(
+        default=1, ge=1, le=10_000, description="Most replicas; equal to min_replicas: fixed size."
+    )
+    initial_replicas: int | None = Field(default=None, ge=0, le=10_000, description="Replicas at deploy time.")
+    signal: Literal["busy", "queue"] = Field(
+        default="busy",
+        description="busy: share of wall time replicas compute (actors/scaling.py; right for draft and target "
+        "pools, whose calls carry whole micro-batches); queue: Serve's ongoing requests per replica (right for "
+        "the router, whose requests are client streams).",
+    )
+    target_busy: float = Field(default=0.6, gt=0, le=1, description="busy: desired busy fraction per replica.")
+    target_ongoing_requests: float = Field(
+        default=64.0, gt=0, le=1e6, description="queue: desired requests per replica."
+    )
+    upscale_delay_s: float = Field(
+        default=10.0, ge=0, le=3600, description="Signal above target this long before adding."
+    )
+    downscale_delay_s: float = Field(
+        default=120.0, ge=0, le=86_400, description="Signal below target this long before removing."
+    )
+    metrics_interval_s: float = Field(default=2.0, gt=0, le=600, description="How often replicas report.")
+    look_back_period_s: float = Field(default=10.0, gt=0, le=3600, description="Window the signal is averaged over.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas: must be <= max_replicas")
+        return self
+
+    @property
+    def fixed(self) -> bool:
+        return self.min_replicas == self.max_replicas
+
+    def serve_options(self) -> dict[str, Any]:
+        """`num_replicas` or `autoscaling_config`, as `serve.deployment(...).options` takes them."""
+        if self.fixed:
+            return {"num_replicas": self.min_replicas}
+        config: dict[str, Any] = self.model_dump(
+            include={
+                "min_replicas",
+                "max_replicas",
+                "initial_replicas",
+                "upscale_delay_s",
+                "downscale_delay_s",
+                "metrics_interval_s",
+                "look_back_period_s",
+            },
+            exclude_none=True,
+        )
+        if self.signal == "busy":
+            name = f"{BusyFractionPolicy.__module__}:{BusyFractionPolicy.__name__}"
+            config["policy"] = {"policy_function": name, "policy_kwargs": {"target_busy": self.target_busy}}
+        else:
+            config["target_ongoing_requests"] = self.target_ongoing_requests
+        return {"autoscaling_config": config}
+
+
+class DraftPoolConfig(BaseModel):
+    """Draft replicas: one draft model each, on its own GPU (or a share of the CPUs)."""
+
+    model_config = _STRICT
+
+    num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per draft replica.")
+    num_gpus: float = Field(default=0.0, ge=0, le=1, description="GPUs per draft replica (1 on GPU machines).")
+    max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
+    idle_evict_s: float = Field(
+        default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this idle."
+    )
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count.")
+
+
+class TargetPoolConfig(BaseModel):
+    """Target replicas: `tp_size` shard actors each, in one STRICT_PACK placement group."""
+
+    model_config = _STRICT
+
+    shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per shard (per placement bundle).")
+    shard_num_gpus: float = Field(default=0.0, ge=0, le=1, description="GPUs per shard (1 on GPU machines).")
+    replica_num_cpus: float = Field(
+        default=0.1, ge=0, le=64, description="CPUs of the replica actor itself (it only relays)."
+    )
+    max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
+    idle_evict_s: float = Field(default=120.0, gt=0, le=86_400, description="Drop a lane group's KV after this idle.")
+    torch_extensions_dir: str = Field(
+        default="~/.cache/specserve/torch_extensions",
+        description="Where DeepSpeed's CPU all-reduce op is compiled once.",
+    )
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count (TP groups).")
+
+
+class RouterPoolConfig(BaseModel):
+    """Router replicas: the ingress; each holds its own sequences and lanes."""
+
+    model_config = _STRICT
+
+    num_cpus: float = Field(default=0.5, ge=0, le=64, description="CPUs per router replica.")
+    max_ongoing_requests: int = Field(
+        default=1024, ge=1, le=1_000_000, description="Open requests (streams) per replica."
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Lanes, pipelining, retries.")
+    autoscaling: Autoscaling = Field(default_factory=lambda: Autoscaling(signal="queue"), description="Replica count.")
+
+
+class AppConfig(BaseModel):
+    """Everything `deploy.app.build_app` needs; the `args:` of a Serve YAML."""
+
+    model_config = _STRICT
+
+    target_model: str = Field(min_length=1, description="Registry short name (deploy/models.py), HF folder or hub id.")
+    draft_model: str | None = Field(default=None, description="The draft model; None for drafters without one.")
+    dtype: Dtype = Field(default="bfloat16", description="Weights of both models.")
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu", description="Chosen here, never from the GPU ids Ray assigns."
+    )
+    tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree of each target replica.")
+    torch_threads: int | None = Field(default=None, ge=1, le=1024, description="torch threads per worker process.")
+    model_cache_dir: str | None = Field(
+        default=None, description="Where registry models are fetched ($SPECSERVE_MODELS)."
+    )
+    drafter: DrafterConfig = Field(
+        default_factory=lambda: DrafterConfig.model_validate({}), description="Proposal shape."
+    )
+    speculation: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Depth rules and limits.")
+    draft_pool: DraftPoolConfig = Field(default_factory=DraftPoolConfig, description="Draft replicas.")
+    target_pool: TargetPoolConfig = Field(default_factory=TargetPoolConfig, description="Target replicas.")
+    router_pool: RouterPoolConfig = Field(default_factory=RouterPoolConfig, description="Router replicas.")
+
+    @model_validator(mode="after")
+    def _draft_model_when_needed(self) -> AppConfig:
+        if self.drafter.kind == "model" and self.draft_model is None:
+            raise ValueError("draft_model: drafter kind 'model' needs a draft model")
+        return self
+
+    def _model(self, path: str) -> ModelConfig:
+        return ModelConfig(path=path, dtype=self.dtype, device=self.device, torch_threads=self.torch_threads)
+
+    def draft_worker(self) -> DraftWorkerConfig | None:
+        """None when there is nothing to draft (kind none): no draft pool is deployed."""
+        if self.drafter.kind == "none":
+            return None
+        return DraftWorkerConfig(
+            model=self._model(self.draft_model) if self.drafter.kind == "model" and self.draft_model else None,
+            target_model=self.target_model,
+            drafter=self.drafter,
+            idle_evict_s=self.draft_pool.idle_evict_s,
+        )
+
+    def target(self) -> TargetConfig:
+        pool = self.target_pool
+        return TargetConfig(
+            model=self._model(self.target_model),
+            tp_size=self.tp_size,
+            torch_extensions_dir=pool.torch_extensions_dir,
+            idle_evict_s=pool.idle_evict_s,
+            shard_num_cpus=pool.shard_num_cpus,
+            shard_num_gpus=pool.shard_num_gpus,
+        )
+
+    def router(self) -> RouterConfig:
+        return self.router_pool.router.model_copy(update={"limits": self.speculation})

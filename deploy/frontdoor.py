@@ -1,0 +1,237 @@
+"""What the HTTP and gRPC front doors share: their config, the tokenizer, request errors, detokenizing.
+
+The front doors turn a client's request into what the router takes (prompt token ids and a
+`speculative.sampling.SamplingParams` dict) and the router's token chunks back into text. The
+router never sees text: tokenizing, chat templates, stop-string cuts and authentication live here,
+at the boundary, so a malformed request is refused before it reaches a lane.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from speculative.sampling import SamplingParams
+
+
+class Backend(Protocol):
+    """The router's public methods (actors/router.py), which the front doors wrap."""
+
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+        """{"token_ids", "finish_reason", "usage"} of one request run to completion."""
+        ...
+
+    def generate_stream(
+        self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Chunks {"token_ids", "finish_reason"}; the last has a finish_reason and "usage"."""
+        ...
+
+    async def info(self) -> dict[str, Any]:
+        """The target's vocab_size, eos_ids and model; it answers once the target pool does."""
+        ...
+
+
+class FrontDoorConfig(BaseModel):
+    """How the front doors present the served model to clients."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    served_model_name: str = Field(
+        min_length=1, max_length=256, description="The `model` clients send and /v1/models lists."
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="Bearer token required on /v1/* and on gRPC calls; None leaves them open."
+    )
+    context_window: int | None = Field(
+        default=None,
+        ge=2,
+        le=10_000_000,
+        description="Most prompt + generated tokens; None: the target's max_position_embeddings.",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=0, le=3600, description="Retry hint (seconds) sent with 429 / RESOURCE_EXHAUSTED."
+    )
+    health_timeout_s: float = Field(
+        default=5.0, gt=0, le=600, description="GET /health and Health fail if the target pool is silent longer."
+    )
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """A front door's runtime state: its config, the target's tokenizer and context window."""
+
+    config: FrontDoorConfig
+    tokenizer: PreTrainedTokenizerBase
+    context_window: int
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise RequestError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+
+    def authorized(self, token: str | None) -> bool:
+        """True when no key is configured or `token` is the key (constant-time comparison)."""
+        key = self.config.api_key
+        if key is None:
+            return True
+        return token is not None and secrets.compare_digest(token.encode(), key.get_secret_value().encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def load_front_door(config: FrontDoorConfig, model: str, resolve: Callable[[str], str] = str) -> FrontDoor:
+    """The target model's tokenizer and context window (no weights); `resolve` as in actors/loading.py."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve(model)
+    window = config.context_window or int(AutoConfig.from_pretrained(path).max_position_embeddings)
+    return FrontDoor(config, AutoTokenizer.from_pretrained(path), window)
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status, an OpenAI error type/code, the field at fault."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+
+
+def param_path(loc: tuple[int | str, ...]) -> str | None:
+    """A pydantic error location as OpenAI names a parameter: ("messages", 0, "role") -> "messages.[0].role"."""
+    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in loc) or None
+
+
+def from_validation_error(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> RequestError:
+    """The first problem of a pydantic error as a RequestError naming its field; unknown fields first."""
+    details = error.errors(include_url=False)
+    first = next((d for d in details if d["type"] == "extra_forbidden"), details[0])
+    loc = prefix + tuple(first["loc"])
+    message = str(first["msg"]).removeprefix("Value error, ")
+    field, sep, rest = message.partition(": ")
+    if first["type"] == "value_error" and not first["loc"] and sep and field.isidentifier():
+        loc, message = loc + (field,), rest  # a model validator's "field: problem" (SamplingParams' stops)
+    param = param_path(loc)
+    if first["type"] == "json_invalid":
+        return RequestError(f"We could not parse the JSON body of your request: {first['msg']}", code="invalid_json")
+    if first["type"] == "extra_forbidden":
+        return RequestError(f"Unrecognized request argument supplied: {param}", param=param)
+    message = message[:1].lower() + message[1:]
+    if first["type"] not in ("missing", "value_error") and "input" in first:
+        message += f" (got {_short(first['input'])})"
+    return RequestError(f"{param}: {message}" if param else message, param=param)
+
+
+# The router's admission errors name a field ("top_p: ...", "prompt_token_ids: ..."): those are the client's.
+_ROUTER_FIELDS = frozenset(SamplingParams.model_fields) | {"prompt_token_ids"}
+
+
+def client_error(e: Exception, prompt_param: str, sampling_prefix: str = "") -> RequestError | None:
+    """The router's refusal of bad input as a RequestError in the front door's names; None if not one.
+
+    The router validates again what the front door checked (its own ValueError "field: ..." or a
+    SamplingParams ValidationError); a check only it can make is the prompt's ids against the
+    target's vocabulary.
+    """
+    if isinstance(e, ValidationError):
+        return from_validation_error(e, (sampling_prefix.rstrip("."),) if sampling_prefix else ())
+    field, sep, message = str(e).partition(": ")
+    if not (isinstance(e, ValueError) and sep and field in _ROUTER_FIELDS):
+        return None
+    param = prompt_param if field == "prompt_token_ids" else sampling_prefix + field
+    return RequestError(f"{param}: {message}", param=param)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def fit_context(
+    n_prompt: int, max_tokens: int | None, default: int | None, window: int, prompt_param: str, max_param: str
+) -> int:
+    """The max_tokens to run with: the client's if prompt + max_tokens fits the window, else an error.
+
+    Unset, it is `default` clipped to the room left, or all the room left when `default` is None.
+    """
+    room = window - n_prompt
+    if room < 1:
+        raise RequestError(
+            f"{prompt_param}: {n_prompt} tokens, but the model's context window is {window} tokens "
+            "(prompt plus at least one generated token)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return room if default is None else min(default, room)
+    if max_tokens > room:
+        raise RequestError(
+            f"{max_param}: {max_tokens} new tokens plus the {n_prompt}-token prompt exceed the model's context "
+            f"window of {window} tokens (at most {room} new tokens fit)",
+            param=max_param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+class Detokenizer:
+    """A request's output text, released as it becomes final.
+
+    Text is decoded from all the output tokens each time (the decode the router's stop check uses,
+    so a stop string it stopped at is found here too). Held back until decided: an incomplete UTF-8
+    character (decoded as U+FFFD) and a tail that may be the start of a stop string.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()) -> None:
+        self._decode = decode
+        self._stop = stop
+        self.token_ids: list[int] = []
+        self.sent = 0  # characters of text handed out
+
+    def push(self, token_ids: list[int], finish_reason: str | None = None) -> str:
+        """The new text after `token_ids`; with a finish_reason, all the rest, cut at a stop string."""
+        self.token_ids += token_ids
+        text = self._decode(self.token_ids)
+        if finish_reason is not None:
+            end = self._stop_cut(text) if finish_reason == "stop" else len(text)
+        else:
+            end = len(text) - self._undecided_tail(text)
+        delta = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return delta
+
+    def _stop_cut(self, text: str) -> int:
+        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        return max(min(hits), self.sent) if hits else len(text)
+
+    def _undecided_tail(self, text: str) -> int:
+        if text.endswith("\ufffd"):
+            return len(text) - len(text.rstrip("\ufffd"))
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

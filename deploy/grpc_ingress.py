@@ -1,0 +1,277 @@
+"""The gRPC front door: `specserve.v1.SpecServe` (proto/specserve.proto) over the router.
+
+Serve's gRPC proxy (`grpc_options.grpc_servicer_functions = GRPC_SERVICER_FUNCTIONS`) calls the
+ingress deployment's methods named like the RPCs with the request proto, passing its
+`RayServegRPCContext` as `grpc_context`; a unary method returns the response, a streaming one yields
+them. `GrpcIngress` is those methods, a mixin for the Router class (see deploy/http_ingress.py for
+the wiring). Errors are status codes with details naming the field:
+
+    INVALID_ARGUMENT    bad input ("sampling.top_p: ...", "text: must not be empty")
+    NOT_FOUND           an unknown `model`
+    UNAUTHENTICATED     an API key is configured and `authorization: Bearer <key>` is missing/wrong
+    RESOURCE_EXHAUSTED  the router is full (actors.router.Overloaded); trailing `retry-after` seconds
+
+`PlainServicer` hosts the same methods on a plain `grpc.aio` server (tests; a process without
+Serve), applying the status the way Serve's proxy does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, cast
+
+import grpc
+from pydantic import ValidationError
+
+from actors.router import Overloaded
+from deploy.frontdoor import (
+    Backend,
+    Detokenizer,
+    FrontDoor,
+    RequestError,
+    client_error,
+    fit_context,
+    from_validation_error,
+)
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
+from speculative.sampling import SamplingParams
+
+GRPC_SERVICER_FUNCTIONS = [f"{pb_grpc.__name__}.add_SpecServeServicer_to_server"]
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_HTTP_TO_GRPC = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+}
+_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "ignore_eos")
+
+
+class StatusContext(Protocol):
+    """What the methods use of a gRPC context: Serve's RayServegRPCContext or `_RecordedStatus`."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, Any]]: ...
+    def set_code(self, code: grpc.StatusCode) -> None: ...
+    def set_details(self, details: str) -> None: ...
+    def set_trailing_metadata(self, trailing_metadata: list[tuple[str, str]]) -> None: ...
+
+
+class GrpcStatus(Exception):
+    """A refused request, as a gRPC status code, details and trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(code, details, trailing)  # all in args: it pickles (Serve sends it to the proxy)
+        self.code, self.details, self.trailing = code, details, trailing or []
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
+
+    def apply(self, context: StatusContext | None) -> None:
+        if context is None:
+            raise self
+        context.set_code(self.code)
+        context.set_details(self.details)
+        if self.trailing:
+            context.set_trailing_metadata(self.trailing)
+
+
+class GrpcIngress:
+    """Mixin for the ingress deployment class: the RPCs of specserve.v1.SpecServe."""
+
+    front: FrontDoor  # set by the combined class's constructor
+
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: StatusContext | None = None
+    ) -> pb.GenerateResponse:
+        backend, front = cast(Backend, self), self.front
+        try:
+            ids, sampling = _admit(front, request, grpc_context)
+            try:
+                result = await backend.generate(ids, sampling)
+            except Exception as e:
+                if (refusal := _refusal(e, front, request)) is None:
+                    raise  # a failure, not a refusal: INTERNAL
+                raise refusal from e
+        except GrpcStatus as status:
+            status.apply(grpc_context)  # Serve's documented way: set the code, return an empty response
+            return pb.GenerateResponse()
+        detok = Detokenizer(front.decode, tuple(sampling["stop"]))
+        return pb.GenerateResponse(
+            token_ids=result["token_ids"],
+            text=detok.push(list(result["token_ids"]), result["finish_reason"]),
+            finish_reason=_FINISH.get(result["finish_reason"] or "", pb.FINISH_REASON_UNSPECIFIED),
+            usage=_usage(result.get("usage") or {}),
+            model=front.model_name,
+        )
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, grpc_context: StatusContext | None = None
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        backend, front = cast(Backend, self), self.front
+        try:
+            ids, sampling = _admit(front, request, grpc_context)
+            stream = backend.generate_stream(ids, sampling)
+            try:
+                first = await anext(stream)
+            except Exception as e:
+                if (refusal := _refusal(e, front, request)) is None:
+                    raise
+                raise refusal from e
+        except GrpcStatus as status:
+            # A stream that yields nothing never hands Serve's proxy its context: raise after setting
+            # the code, which Serve's replica carries as the status (gRPCStatusError).
+            status.apply(grpc_context)
+            raise
+        detok = Detokenizer(front.decode, tuple(sampling["stop"]))
+        try:
+            chunk = first
+            while True:
+                reason = chunk["finish_reason"]
+                message = pb.GenerateStreamResponse(
+                    token_ids=chunk["token_ids"],
+                    text=detok.push(list(chunk["token_ids"]), reason),
+                    finish_reason=_FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED),
+                )
+                if reason is not None:
+                    message.usage.CopyFrom(_usage(chunk.get("usage") or {}))
+                yield message
+                if reason is not None:
+                    return
+                chunk = await anext(stream)
+        finally:
+            await cast(Any, stream).aclose()  # a client that went away: the router cancels the sequence
+
+    async def Health(self, request: pb.HealthRequest, grpc_context: StatusContext | None = None) -> pb.HealthResponse:
+        backend, front = cast(Backend, self), self.front
+        try:
+            await asyncio.wait_for(backend.info(), front.config.health_timeout_s)
+            status = pb.HealthResponse.SERVING_STATUS_SERVING
+        except Exception:
+            status = pb.HealthResponse.SERVING_STATUS_NOT_SERVING
+        return pb.HealthResponse(status=status, model=front.model_name, context_window=front.context_window)
+
+
+def _admit(
+    front: FrontDoor, request: pb.GenerateRequest, context: StatusContext | None
+) -> tuple[list[int], dict[str, Any]]:
+    if not front.authorized(_bearer(context)):
+        raise GrpcStatus(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer <key>` metadata")
+    try:
+        if request.model:
+            front.check_model(request.model)
+        return to_generation(request, front, seed=secrets.randbits(63))
+    except RequestError as e:
+        raise GrpcStatus(_HTTP_TO_GRPC.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
+
+
+def to_generation(request: pb.GenerateRequest, front: FrontDoor, seed: int) -> tuple[list[int], dict[str, Any]]:
+    """Prompt token ids and the SamplingParams dict of a request; RequestError names the field."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise RequestError("prompt: set `text` or `token_ids`", param="prompt")
+    ids = list(front.tokenizer.encode(request.text)) if which == "text" else list(request.token_ids.ids)
+    if not ids:
+        raise RequestError(f"{which}: must not be empty", param=which)
+    s = request.sampling
+    asked = s.max_tokens if s.HasField("max_tokens") else None
+    fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
+    fields |= {
+        "max_tokens": fit_context(len(ids), asked, None, front.context_window, which, "sampling.max_tokens"),
+        "stop": tuple(s.stop),
+        "stop_token_ids": tuple(s.stop_token_ids),
+        "seed": s.seed if s.HasField("seed") else seed,
+    }
+    try:
+        return ids, SamplingParams.model_validate(fields).model_dump()
+    except ValidationError as e:
+        raise from_validation_error(e, ("sampling",)) from None
+
+
+def _refusal(e: Exception, front: FrontDoor, request: pb.GenerateRequest) -> GrpcStatus | None:
+    """The router's refusals (overload, bad input) as statuses; None for any other error."""
+    if isinstance(e, Overloaded):
+        return GrpcStatus(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the server is at capacity ({e}); retry later",
+            [("retry-after", str(front.config.retry_after_s))],
+        )
+    error = client_error(e, request.WhichOneof("prompt") or "prompt", "sampling.")
+    return GrpcStatus(grpc.StatusCode.INVALID_ARGUMENT, error.message) if error is not None else None
+
+
+def _bearer(context: StatusContext | None) -> str | None:
+    if context is None:
+        return None
+    for key, value in context.invocation_metadata():
+        if key.lower() == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def _usage(usage: dict[str, Any]) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        completion_tokens=int(usage.get("completion_tokens", 0)),
+        draft_tokens=int(usage.get("drafted", 0)),
+        accepted_tokens=int(usage.get("accepted", 0)),
+        acceptance_length=float(usage.get("acceptance_length", 0.0)),
+    )
+
+
+class _RecordedStatus:
+    """A context for the methods on a plain grpc.aio server: records the status, applied at the end."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.trailing: list[tuple[str, str]] = []
+
+    def invocation_metadata(self) -> Sequence[tuple[str, Any]]:
+        return [(m[0], m[1]) for m in self._context.invocation_metadata() or ()]
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, trailing_metadata: list[tuple[str, str]]) -> None:
+        self.trailing = trailing_metadata
+
+    async def finish(self) -> None:
+        if self.code is not None and self.code != grpc.StatusCode.OK:
+            if self.trailing:
+                self._context.set_trailing_metadata(tuple(self.trailing))
+            await self._context.abort(self.code, self.details)
+
+
+class PlainServicer(pb_grpc.SpecServeServicer):
+    """`GrpcIngress` methods on a plain grpc.aio server: `add_SpecServeServicer_to_server(PlainServicer(x), server)`."""
+
+    def __init__(self, ingress: GrpcIngress) -> None:
+        self._ingress = ingress
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        status = _RecordedStatus(context)
+        response = await self._ingress.Generate(request, grpc_context=status)
+        await status.finish()
+        return response
+
+    async def GenerateStream(  # type: ignore[override]
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        status = _RecordedStatus(context)
+        try:
+            async for message in self._ingress.GenerateStream(request, grpc_context=status):
+                yield message
+        except GrpcStatus:
+            pass  # recorded on `status`
+        await status.finish()
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return await self._ingress.Health(request, grpc_context=_RecordedStatus(context))

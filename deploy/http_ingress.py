@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP front door: a FastAPI app over the router's generate / generate_stream.
+
+    POST /v1/completions        text or token-id prompt; `stream: true` for server-sent events
+    POST /v1/chat/completions   messages through the model's own chat template
+    GET  /v1/models             the served model
+    GET  /health                readiness: 200 once the target pool answers, else 503 (no API key)
+
+Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for every malformed
+request (FastAPI's 422 included), 401 for a missing or wrong API key, 404 for an unknown model or
+route, 429 with `Retry-After` when the router is full (`actors.router.Overloaded`).
+
+Wiring (deploy/app.py): the ingress is the Router class itself with the two front-door mixins;
+Serve builds this app on each replica after the constructor (`__serve_build_asgi_app__`), so the
+routes call that replica's own `generate` / `generate_stream`, with no handle in between:
+
+    from deploy.frontdoor import FrontDoorConfig, load_front_door
+    from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS, GrpcIngress
+    from deploy.http_ingress import OpenAIIngress
+
+    class Ingress(OpenAIIngress, GrpcIngress, Router):  # the router, with both front doors
+        def __init__(self, front: FrontDoorConfig, config: RouterConfig, draft: Any, target: Any, *,
+                     tokenizer: str, resolve: Resolver = identity) -> None:
+            Router.__init__(self, config, draft, target, tokenizer=tokenizer, resolve=resolve)
+            self.front = load_front_door(front, tokenizer, resolve)
+
+    # in build_app, instead of `serve.deployment(...)(Router)`:
+    router = serve.deployment(name="router", ...)(serve.ingress()(Ingress))
+    return router.bind(front_door_config, config.router(), draft, target,
+                       tokenizer=config.target_model, resolve=resolver)
+
+`serve.ingress()` with no app takes the app from `__serve_build_asgi_app__`. For gRPC, Serve's
+proxy needs `grpc_options={"grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS}` (`serve.start`, or
+the Serve YAML's top-level `grpc_options`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.router import Overloaded
+from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error, param_path
+from deploy.openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+    parse_request,
+    to_generation,
+)
+
+logger = logging.getLogger(__name__)
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+
+class OpenAIIngress:
+    """Mixin for the ingress deployment class: Serve calls this after `__init__` to build the app."""
+
+    front: FrontDoor  # set by the combined class's constructor
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_app(cast(Backend, self), self.front)
+
+
+def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
+    """The OpenAI-compatible app over `backend` (the router, or anything with its methods)."""
+    app = FastAPI(title="specserve", summary="Lossless speculative decoding, OpenAI-compatible")
+    _install_error_handlers(app, front)
+
+    def authorize(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not front.authorized(token.strip() if scheme.lower() == "bearer" else None):
+            message = "Incorrect API key provided." if token else "Missing API key: send `Authorization: Bearer <key>`."
+            raise RequestError(message, status=401, code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await asyncio.wait_for(backend.info(), front.config.health_timeout_s)
+        except Exception as e:
+            error = RequestError(f"not ready: {e!r}", status=503, type="server_error", code="not_ready")
+            return JSONResponse(ErrorBody.of(error).model_dump(), status_code=503)
+        return JSONResponse({"status": "ok", "model": front.model_name})
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> ModelList:
+        card = ModelCard(id=front.model_name, created=0, max_model_len=front.context_window)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        return await _serve(backend, front, parse_request(CompletionRequest, await request.body()))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(backend, front, parse_request(ChatCompletionRequest, await request.body()))
+
+    return app
+
+
+async def _serve(backend: Backend, front: FrontDoor, request: OpenAIRequest) -> Response:
+    front.check_model(request.model)
+    ids, sampling = to_generation(request, front.tokenizer, front.context_window, seed=secrets.randbits(63))
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    detok = Detokenizer(front.decode, tuple(sampling["stop"]))
+    if request.stream:
+        stream = backend.generate_stream(ids, sampling)
+        try:  # admission happens at the first chunk: its errors still get a status code
+            first = await anext(stream)
+        except Exception as e:
+            await _close(stream)
+            if (error := client_error(e, prompt_param)) is None:
+                raise  # Overloaded -> 429 (its handler); anything else -> 500
+            raise error from e
+        except BaseException:
+            await _close(stream)
+            raise
+        return StreamingResponse(
+            _events(request, front.model_name, detok, first, stream),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        result = await backend.generate(ids, sampling)
+    except Exception as e:
+        if (error := client_error(e, prompt_param)) is None:
+            raise
+        raise error from e
+    return JSONResponse(_full_response(request, front.model_name, detok, result).model_dump(mode="json"))
+
+
+def _full_response(
+    request: OpenAIRequest, model: str, detok: Detokenizer, result: dict[str, Any]
+) -> Completion | ChatCompletion:
+    text = detok.push(list(result["token_ids"]), result["finish_reason"])
+    token_ids = list(result["token_ids"]) if request.return_token_ids else None
+    usage = Usage.from_router(result.get("usage") or {})
+    reason = result["finish_reason"]
+    if isinstance(request, ChatCompletionRequest):
+        rid, created = new_id("chatcmpl")
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason, token_ids=token_ids)
+        return ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage)
+    rid, created = new_id("cmpl")
+    completion = CompletionChoice(text=text, finish_reason=reason, token_ids=token_ids)
+    return Completion(id=rid, created=created, model=model, choices=[completion], usage=usage)
+
+
+async def _events(
+    request: OpenAIRequest,
+    model: str,
+    detok: Detokenizer,
+    first: dict[str, Any],
+    stream: AsyncIterator[dict[str, Any]],
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    chat = isinstance(request, ChatCompletionRequest)
+    rid, created = new_id("chatcmpl" if chat else "cmpl")
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+    def event(choices: list[Any], usage: Usage | None = None) -> str:
+        cls = ChatCompletionChunk if chat else Completion
+        return f"data: {cls(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()}\n\n"
+
+    def choice(text: str | None, ids: list[int], reason: str | None, role: bool = False) -> Any:
+        token_ids = ids if request.return_token_ids else None
+        if chat:
+            delta = Delta(role="assistant" if role else None, content=text)
+            return ChunkChoice(delta=delta, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
+        return CompletionChoice(text=text or "", finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
+
+    try:
+        if chat:
+            yield event([choice("", [], None, role=True)])
+        chunk = first
+        while True:
+            ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
+            text = detok.push(ids, reason)
+            if text or reason is not None or (ids and request.return_token_ids):
+                yield event([choice(text, ids, reason)])
+            if reason is not None:
+                if include_usage:
+                    yield event([], Usage.from_router(chunk.get("usage") or {}))
+                break
+            chunk = await anext(stream)
+    except Exception as e:  # the status line is sent: report in the stream, as OpenAI and vLLM do
+        logger.exception("stream failed")
+        error = RequestError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
+        yield f"data: {ErrorBody.of(error).model_dump_json()}\n\n"
+    finally:
+        await _close(stream)  # on client disconnect too: the router cancels the sequence
+    yield "data: [DONE]\n\n"
+
+
+async def _close(stream: AsyncIterator[dict[str, Any]]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _install_error_handlers(app: FastAPI, front: FrontDoor) -> None:
+    def body(e: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(ErrorBody.of(e).model_dump(), status_code=e.status, headers=headers)
+
+    async def request_error(_: Request, e: Exception) -> Response:
+        e = cast(RequestError, e)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return body(e, headers)
+
+    async def overloaded(_: Request, e: Exception) -> Response:
+        error = RequestError(
+            f"The server is at capacity ({e}); retry later.", status=429, type="rate_limit_exceeded", code="overloaded"
+        )
+        return body(error, {"Retry-After": str(front.config.retry_after_s)})
+
+    async def validation(_: Request, e: Exception) -> Response:  # FastAPI's 422 -> OpenAI's 400
+        details = cast(RequestValidationError, e).errors()
+        first = details[0] if details else {"loc": (), "msg": "invalid request"}
+        loc = tuple(first.get("loc", ()))
+        param = param_path(loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)
+        message = str(first.get("msg", "invalid request"))
+        return body(RequestError(f"{param}: {message}" if param else message, param=param))
+
+    async def http_error(_: Request, e: Exception) -> Response:  # unknown routes and methods
+        e = cast(StarletteHTTPException, e)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return body(RequestError(str(e.detail), status=e.status_code, code=code), dict(e.headers or {}))
+
+    async def internal(_: Request, e: Exception) -> Response:
+        logger.exception("request failed")
+        error = f"internal error ({type(e).__name__}); the server log has the details"
+        return body(RequestError(error, status=500, type="server_error", code="internal_error"))
+
+    app.add_exception_handler(RequestError, request_error)
+    app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal)

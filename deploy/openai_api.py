@@ -1,0 +1,408 @@
+"""OpenAI's `/v1/completions` and `/v1/chat/completions`: requests, responses, errors, and the mapping.
+
+Requests are validated as OpenAI validates them: strict JSON types (`"temperature": "1"` is an
+error), unknown fields refused ("Unrecognized request argument supplied"), values in OpenAI's
+ranges. Fields OpenAI defines that this server cannot honour (`n` > 1, `logprobs`, `echo`,
+penalties other than repetition, tools) are accepted at their neutral value and refused otherwise,
+naming the field. Extensions, as vLLM spells them: `top_k`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `return_token_ids`.
+
+`to_generation` maps a validated request to what the router takes: prompt token ids and a
+`SamplingParams` dict. Responses follow OpenAI's format; `usage` adds the speculative decoding
+counts (`draft_tokens`, `accepted_tokens`, `acceptance_length`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from transformers import PreTrainedTokenizerBase
+
+from deploy.frontdoor import RequestError, fit_context, from_validation_error
+from speculative.sampling import SamplingParams
+
+_REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+_RESPONSE = ConfigDict(extra="forbid")
+MAX_STOP = 16  # SamplingParams' limit (OpenAI's is 4; more costs nothing here)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
+
+
+def _one_of(expected: str) -> WrapValidator:
+    """A union field's error as one message ("must be a string or a list of strings"), not one per member."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"must be {expected}") from None
+
+    return WrapValidator(check)
+
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Prompt = Annotated[
+    str | list[TokenId] | list[str] | list[list[TokenId]],
+    _one_of("a string, a list of strings, a list of token ids or a list of token-id lists"),
+]
+Stop = Annotated[
+    str | list[str] | None, _one_of(f"a string or a list of at most {MAX_STOP} strings"), Field(default=None)
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
+    include_usage: bool = Field(default=False, description="Send a last chunk with usage and no choices.")
+
+
+class _SamplingFields(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = _REQUEST
+
+    model: str = Field(description="The served model's name (GET /v1/models).")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 is greedy; default 1.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus mass kept; default 1.")
+    n: int | None = Field(default=None, description="Choices per request; only 1 is supported.")
+    stream: bool | None = Field(default=None, description="Server-sent events in OpenAI's chunk format.")
+    stream_options: StreamOptions | None = Field(default=None, description="Only with stream: true.")
+    stop: Stop
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="Reproducible sampling; default random.")
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Only an empty map is supported.")
+    user: str | None = Field(default=None, max_length=512, description="End-user id; accepted, unused.")
+    # extensions (vLLM's names)
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="Keep the k most likely; -1/0: all.")
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, description="HF/CTRL penalty; 1: off.")
+    ignore_eos: bool | None = Field(default=None, description="Generate past end-of-sequence tokens.")
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64, description="Extra stop tokens.")
+    return_token_ids: bool | None = Field(default=None, description="Add `token_ids` to each choice.")
+
+    def _limits(self) -> list[tuple[str, bool, str]]:
+        """(field, honoured, why not) for fields OpenAI defines that this server honours only in part."""
+        unsupported = "not supported; use repetition_penalty"
+        return [
+            ("n", self.n in (None, 1), "only n=1 is supported; send one request per choice"),
+            ("frequency_penalty", not self.frequency_penalty, unsupported),
+            ("presence_penalty", not self.presence_penalty, unsupported),
+            ("logit_bias", not self.logit_bias, "not supported"),
+            ("stream_options", self.stream_options is None or bool(self.stream), "only allowed when stream is true"),
+        ]
+
+    def unsupported(self) -> RequestError | None:
+        """The first field set to a value this server cannot honour."""
+        bad = next(((name, why) for name, ok, why in self._limits() if not ok), None)
+        return None if bad is None else RequestError(f"{bad[0]}: {bad[1]}", param=bad[0])
+
+
+R = TypeVar("R", bound=_SamplingFields)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Prompt = Field(description="One prompt: text or token ids (a batch of one is accepted).")
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Default 16.")
+    echo: bool | None = Field(default=None, description="Only false is supported.")
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="Not supported.")
+    best_of: int | None = Field(default=None, ge=1, le=20, description="Only 1 is supported.")
+    suffix: str | None = Field(default=None, description="Not supported.")
+
+    def _limits(self) -> list[tuple[str, bool, str]]:
+        no = "not supported by this server"
+        return super()._limits() + [
+            ("echo", not self.echo, no),
+            ("logprobs", self.logprobs is None, no),
+            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
+            ("suffix", self.suffix is None, no),
+        ]
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str
+
+
+Content = Annotated[str | list[TextPart], _one_of("a string or a list of text parts ({'type': 'text', 'text': ...})")]
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="Tools are not supported.")
+    content: Content
+    name: str | None = Field(default=None, max_length=256, description="Accepted, not shown to the model.")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"] = Field(description="Only plain text is supported.")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096, description="The conversation so far.")
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Deprecated by OpenAI.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Default: the rest.")
+    logprobs: bool | None = Field(default=None, description="Only false is supported.")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Not supported.")
+    response_format: ResponseFormat | None = Field(default=None, description="Only {'type': 'text'}.")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Only an empty list is supported.")
+    tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none' is supported.")
+
+    def _limits(self) -> list[tuple[str, bool, str]]:
+        no = "not supported by this server"
+        return super()._limits() + [
+            ("logprobs", not self.logprobs, no),
+            ("top_logprobs", not self.top_logprobs, no),
+            ("tools", not self.tools, no),
+        ]
+
+
+def parse_request(cls: type[R], body: bytes) -> R:
+    """Validate a raw JSON body; every problem becomes a RequestError naming its field."""
+    try:
+        request = cls.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    if (error := request.unsupported()) is not None:
+        raise error
+    return request
+
+
+# ---- request -> router --------------------------------------------------------------------------
+def to_generation(
+    request: CompletionRequest | ChatCompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    context_window: int,
+    seed: int,
+) -> tuple[list[int], dict[str, Any]]:
+    """Prompt token ids and the SamplingParams dict of a validated request.
+
+    `seed` is used when the request has none (the caller draws a fresh one, so unseeded sampled
+    requests differ). Raises RequestError naming the field.
+    """
+    if isinstance(request, ChatCompletionRequest):
+        prompt, prompt_param = chat_prompt_ids(request, tokenizer), "messages"
+        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        asked, default = request.max_completion_tokens or request.max_tokens, None
+    else:
+        prompt, prompt_param = completion_prompt_ids(request.prompt, tokenizer), "prompt"
+        max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = fit_context(len(prompt), asked, default, context_window, prompt_param, max_param)
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stop) > MAX_STOP or any(not s for s in stop):
+        raise RequestError(f"stop: at most {MAX_STOP} strings, none empty", param="stop")
+    fields = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": max(request.top_k, 0) if request.top_k is not None else None,
+        "repetition_penalty": request.repetition_penalty,
+        "max_tokens": max_tokens,
+        "stop": tuple(stop),
+        "stop_token_ids": tuple(request.stop_token_ids or ()),
+        "ignore_eos": request.ignore_eos,
+        "seed": request.seed if request.seed is not None else seed,
+    }
+    try:
+        params = SamplingParams.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    return prompt, params.model_dump()
+
+
+def completion_prompt_ids(
+    prompt: str | list[int] | list[str] | list[list[int]], tokenizer: PreTrainedTokenizerBase
+) -> list[int]:
+    """One prompt's ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one)."""
+    one: str | list[int]
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        one = cast(str | list[int], prompt)
+    elif len(prompt) == 1:
+        one = cast(str | list[int], prompt[0])  # a batch of one
+    else:
+        raise RequestError(
+            f"prompt: {len(prompt)} prompts in one request; batches are not supported, send one per request",
+            param="prompt",
+        )
+    ids = [int(t) for t in tokenizer.encode(one)] if isinstance(one, str) else list(one)
+    if not ids:
+        raise RequestError("prompt: must not be empty", param="prompt")
+    return ids
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The conversation through the tokenizer's own chat template, with the assistant's turn opened."""
+    if tokenizer.chat_template is None:
+        raise RequestError("messages: this model has no chat template; use /v1/completions", param="messages")
+    # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation
+        raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
+    ids = list(tokenizer.encode(str(text), add_special_tokens=False))  # the template places BOS itself
+    if not ids:
+        raise RequestError("messages: the conversation renders to no tokens", param="messages")
+    return ids
+
+
+# ---- responses -----------------------------------------------------------------------------------
+FinishReason = Literal["stop", "length"] | None
+_IF_NONE: dict[str, Any] = {"exclude_if": lambda v: v is None}
+
+
+class Usage(BaseModel):
+    model_config = _RESPONSE
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    draft_tokens: int = Field(description="Draft tokens proposed to the target for this request.")
+    accepted_tokens: int = Field(description="Draft tokens the target accepted.")
+    acceptance_length: float = Field(description="Tokens committed per target forward, bonus included.")
+
+    @classmethod
+    def from_router(cls, usage: dict[str, Any]) -> Usage:
+        prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            draft_tokens=int(usage.get("drafted", 0)),
+            accepted_tokens=int(usage.get("accepted", 0)),
+            acceptance_length=float(usage.get("acceptance_length", 0.0)),
+        )
+
+
+class CompletionChoice(BaseModel):
+    model_config = _RESPONSE
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = Field(default=None, **_IF_NONE)
+
+
+class Completion(BaseModel):
+    """A /v1/completions response, and (with `usage` only on the last) its stream chunks."""
+
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(default=None, **_IF_NONE)
+
+
+class AssistantMessage(BaseModel):
+    model_config = _RESPONSE
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    model_config = _RESPONSE
+
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = Field(default=None, **_IF_NONE)
+
+
+class ChatCompletion(BaseModel):
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    model_config = _RESPONSE
+
+    role: Literal["assistant"] | None = Field(default=None, **_IF_NONE)
+    content: str | None = Field(default=None, **_IF_NONE)
+
+
+class ChunkChoice(BaseModel):
+    model_config = _RESPONSE
+
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = Field(default=None, **_IF_NONE)
+
+
+class ChatCompletionChunk(BaseModel):
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(default=None, **_IF_NONE)
+
+
+class ErrorInfo(BaseModel):
+    model_config = _RESPONSE
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    model_config = _RESPONSE
+
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, e: RequestError) -> ErrorBody:
+        return cls(error=ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code))
+
+
+class ModelCard(BaseModel):
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+    max_model_len: int = Field(description="The context window (vLLM's name for it).")
+
+
+class ModelList(BaseModel):
+    model_config = _RESPONSE
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(kind: Literal["cmpl", "chatcmpl"]) -> tuple[str, int]:
+    """A response id and its creation time (seconds), as OpenAI forms them."""
+    return f"{kind}-{uuid.uuid4().hex}", int(time.time())

@@ -1,0 +1,64 @@
+"""Local Ray + Serve for the actor tests: one Ray start per test module, apps deployed from AppConfig."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deploy.app import build_app
+from deploy.config import AppConfig
+
+REPO = str(Path(__file__).resolve().parents[2])
+APP = "specserve"
+
+
+@contextmanager
+def local_ray(**init: Any) -> Iterator[None]:
+    """Ray on this machine; workers import the repo through PYTHONPATH (no working_dir upload)."""
+    ray.init(
+        address="local",  # a fresh instance, even if a `ray start` cluster runs on this machine
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": REPO, "TOKENIZERS_PARALLELISM": "false"}},
+        **init,
+    )
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextmanager
+def deployed(config: AppConfig) -> Iterator[DeploymentHandle]:
+    handle = serve.run(build_app(config), name=APP, route_prefix=None)
+    try:
+        yield handle
+    finally:
+        serve.delete(APP)
+
+
+def replicas(deployment: str, states: tuple[str, ...] = ("RUNNING", "STARTING")) -> int:
+    """Replicas of a deployment of the app in these states (STARTING counts: Serve decided to scale)."""
+    status = serve.status().applications[APP].deployments[deployment]
+    return sum(n for state, n in status.replica_states.items() if str(getattr(state, "value", state)) in states)
+
+
+def wait_until(predicate: Any, timeout_s: float, every_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return predicate()
+
+
+async def gather_generate(handle: DeploymentHandle, requests: list[tuple[list[int], dict[str, Any]]]) -> list[dict]:
+    return list(await asyncio.gather(*[handle.generate.remote(p, sp) for p, sp in requests]))

@@ -1,0 +1,111 @@
+"""The application config and the Serve YAMLs, without starting Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve import Application
+from ray.serve.schema import ServeDeploySchema
+
+from deploy.app import _bundles, app_builder
+from deploy.config import AppConfig, Autoscaling
+
+YAMLS = sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_yaml_is_a_serve_config_whose_args_build(path: Path) -> None:
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    for app in schema.applications:
+        assert app.import_path == "deploy.app:app_builder"
+        assert isinstance(app_builder(app.args), Application)
+
+
+def test_bundles_one_per_shard_replica_rides_in_the_first() -> None:
+    config = AppConfig.model_validate(
+        {
+            "target_model": "t",
+            "draft_model": "d",
+            "tp_size": 2,
+            "target_pool": {"shard_num_cpus": 2, "shard_num_gpus": 1, "replica_num_cpus": 0.5},
+        }
+    )
+    assert _bundles(config) == [{"CPU": 2.5, "GPU": 1}, {"CPU": 2.0, "GPU": 1}]
+
+
+def test_autoscaling_options() -> None:
+    assert Autoscaling(min_replicas=2, max_replicas=2).serve_options() == {"num_replicas": 2}
+    busy = Autoscaling(max_replicas=3, target_busy=0.5).serve_options()["autoscaling_config"]
+    assert busy["policy"] == {
+        "policy_function": "actors.scaling:BusyFractionPolicy",
+        "policy_kwargs": {"target_busy": 0.5},
+    }
+    queue = Autoscaling(max_replicas=3, signal="queue", target_ongoing_requests=8).serve_options()
+    assert queue["autoscaling_config"]["target_ongoing_requests"] == 8
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"target_model": "t"}, "draft_model"),  # kind model needs a draft
+        ({"target_model": "t", "drafter": {"kind": "lookup"}, "tp_size": 0}, "tp_size"),
+        ({"target_model": "t", "drafter": {"kind": "none"}, "draft_pool": {"autoscaling": {"min_replicas": 3}}}, "min"),
+        ({"target_model": "t", "drafter": {"kind": "none"}, "dtype": "int8"}, "dtype"),
+        ({"target_model": "t", "drafter": {"kind": "none"}, "unknown": 1}, "unknown"),
+    ],
+)
+def test_bad_config_names_the_field(args: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        AppConfig.model_validate(args)
+
+
+def test_busy_policy_sums_replicas() -> None:
+    from actors.scaling import BUSY_METRIC, BusyFractionPolicy
+
+    def ctx(busy: dict[str, float] | None) -> SimpleNamespace:
+        metrics = {BUSY_METRIC: busy} if busy is not None else {}
+        return SimpleNamespace(
+            target_num_replicas=1, capacity_adjusted_min_replicas=1, policy_state={}, aggregated_metrics=metrics
+        )
+
+    policy = BusyFractionPolicy(0.6)
+    assert policy(ctx({"a": 0.9, "b": 0.5}))[0] == 3  # 1.4 / 0.6 -> 3
+    assert policy(ctx({"a": 0.2}))[0] == 1
+    assert policy(ctx({"a": 0.0}))[0] == 1  # idle: min_replicas
+    assert policy(ctx(None))[0] == 1  # no reports yet: hold
+
+
+def test_busy_meter() -> None:
+    from actors.scaling import BusyMeter
+
+    now = [0.0]
+    meter = BusyMeter(clock=lambda: now[0])
+    meter.start()
+    now[0] = 3.0
+    meter.stop()
+    now[0] = 4.0
+    assert meter.take() == pytest.approx(0.75)
+    meter.start()
+    now[0] = 6.0
+    assert meter.take() == pytest.approx(1.0)  # a running call counts up to now
+    now[0] = 8.0
+    meter.stop()
+    assert meter.take() == pytest.approx(1.0)
+
+
+def test_lane_affinity_pins_balance_and_follow_scaling() -> None:
+    from actors.affinity import least_loaded, rebalance
+
+    pins: dict[str, str] = {}
+    for lane in ("a", "b", "c", "d"):
+        pins[lane] = least_loaded(pins, ["r1", "r2"], lambda r: 0)
+    assert sorted(pins.values()) == ["r1", "r1", "r2", "r2"]
+    grown = rebalance(dict(pins), ["r1", "r2", "r3"])  # scale-up: the new replica takes a lane at once
+    assert sorted(grown.values()).count("r3") == 1 and sum(grown[k] == pins[k] for k in pins) == 3
+    shrunk = rebalance(grown, ["r3"])  # r1 and r2 left: their lanes re-pin on their next call
+    assert shrunk == {k: "r3" for k, v in grown.items() if v == "r3"}
+    assert least_loaded({}, ["r1", "r2"], lambda r: {"r1": 5, "r2": 0}[r]) == "r2"  # tie: shorter queue

@@ -1,0 +1,195 @@
+"""The router, draft workers and target replica as plain Python objects in one process (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
+from actors.draft_worker import DraftWorker
+from actors.lane import StepRecord
+from actors.pools import LocalPool
+from actors.router import Overloaded, Router
+from actors.target_replica import LocalShards, TargetReplica
+from actors.target_shard import TargetShard
+from actors.wire import Work
+from speculative.drafters.config import DrafterConfig
+from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
+
+
+def fp32(path: str) -> ModelConfig:
+    return ModelConfig(path=path, dtype="float32")
+
+
+def make_router(pair: TinyPair, drafts: int = 1, drafter: DrafterConfig | None = None, **router: object) -> Router:
+    target_cfg = TargetConfig(model=fp32(pair.target))
+    target = TargetReplica(target_cfg, shards=LocalShards([TargetShard(target_cfg, 0)]))
+    draft_cfg = DraftWorkerConfig(model=fp32(pair.draft), target_model=pair.target, drafter=drafter or DrafterConfig())
+    workers = [DraftWorker(draft_cfg) for _ in range(drafts)]
+    return Router(RouterConfig(**router), LocalPool(workers), LocalPool([target]))  # type: ignore[arg-type]
+
+
+async def run_all(router: Router, requests: list[tuple[list[int], int]]) -> list[dict]:
+    calls = [router.generate(p, {"temperature": 0.0, "max_tokens": m}) for p, m in requests]
+    return list(await asyncio.gather(*calls))
+
+
+@pytest.mark.parametrize(
+    ("drafts", "pipelining", "lane_size"),
+    [(1, True, 16), (2, True, 3), (1, False, 16)],
+    ids=["one-draft-pingpong", "two-drafts-three-lanes", "sequential"],
+)
+def test_greedy_matches_target_alone(tiny_pair: TinyPair, drafts: int, pipelining: bool, lane_size: int) -> None:
+    requests = prompts_and_lengths(10)
+    router = make_router(tiny_pair, drafts, pipelining=pipelining, max_lane_sequences=lane_size)
+    results = asyncio.run(run_all(router, requests))
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+        assert result["finish_reason"] in ("stop", "length")
+    usage = [r["usage"] for r in results]
+    assert sum(u["accepted"] for u in usage) > 0, "the noisy-copy draft should be accepted sometimes"
+    assert all(u["acceptance_length"] >= 1.0 for u in usage)
+
+
+def test_stream_chunks_add_up_and_requests_join_late(tiny_pair: TinyPair) -> None:
+    router = make_router(tiny_pair)
+    (p1, m1), (p2, m2) = prompts_and_lengths(2, seed=11)
+
+    async def scenario() -> tuple[list[dict], dict]:
+        chunks = []
+        late = None
+        async for chunk in router.generate_stream(p1, {"temperature": 0.0, "max_tokens": m1}):
+            chunks.append(chunk)
+            if late is None:  # a second request joins a running batch
+                late = asyncio.ensure_future(router.generate(p2, {"temperature": 0.0, "max_tokens": m2}))
+        assert late is not None
+        return chunks, await late
+
+    chunks, second = asyncio.run(scenario())
+    assert [t for c in chunks for t in c["token_ids"]] == hf_greedy(tiny_pair.target, p1, m1)
+    assert chunks[-1]["finish_reason"] is not None and "usage" in chunks[-1]
+    assert all(c["finish_reason"] is None for c in chunks[:-1])
+    assert second["token_ids"] == hf_greedy(tiny_pair.target, p2, m2)
+
+
+def test_sampled_requests_are_reproducible(tiny_pair: TinyPair) -> None:
+    """Same seed, other batch composition and lane layout: the same tokens (keyed randomness)."""
+    requests = prompts_and_lengths(4, seed=5)
+    params = [{"temperature": 0.8, "top_k": 20, "max_tokens": m, "seed": 100 + i} for i, (_, m) in enumerate(requests)]
+
+    async def together() -> list[dict]:
+        router = make_router(tiny_pair)
+        return list(
+            await asyncio.gather(*[router.generate(p, sp) for (p, _), sp in zip(requests, params, strict=True)])
+        )
+
+    async def alone() -> list[dict]:
+        router = make_router(tiny_pair, pipelining=False)
+        return [await router.generate(p, sp) for (p, _), sp in zip(requests, params, strict=True)]
+
+    assert [r["token_ids"] for r in asyncio.run(together())] == [r["token_ids"] for r in asyncio.run(alone())]
+
+
+def test_cancel_frees_caches(tiny_pair: TinyPair) -> None:
+    router = make_router(tiny_pair)
+    prompt, _ = prompts_and_lengths(1)[0]
+
+    async def scenario() -> None:
+        stream = router.generate_stream(prompt, {"temperature": 0.0, "max_tokens": 500, "ignore_eos": True})
+        await stream.__anext__()
+        await stream.aclose()  # the client went away
+        for _ in range(200):
+            if not router._lanes:
+                break
+            await asyncio.sleep(0.01)
+        assert not router._lanes and not router._live
+
+    asyncio.run(scenario())
+    target = router._target.replicas[0]  # type: ignore[attr-defined]
+    verifiers = target.shards.shards[0]._verifiers
+    assert all(not verifiers.peek(k).runner.rows for k in list(verifiers._owners))
+
+
+def test_bad_input_and_overload(tiny_pair: TinyPair) -> None:
+    router = make_router(tiny_pair, max_active_sequences=1)
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            await router.generate([999_999], {})
+        with pytest.raises(ValueError, match="temperature"):
+            await router.generate([5, 6], {"temperature": -1})
+        with pytest.raises(ValueError, match="stop"):
+            await router.generate([5, 6], {"stop": ["x"]})
+        first = router.generate_stream([5, 6], {"max_tokens": 50, "ignore_eos": True})
+        await first.__anext__()
+        with pytest.raises(Overloaded):
+            await router.generate([5, 6], {})
+        await first.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_depth_shrinks_with_batch_and_queue(tiny_pair: TinyPair) -> None:
+    router = make_router(tiny_pair, limits={"verify_token_budget": 16, "adaptive": {"max_depth": 4}})
+
+    async def lane_of() -> object:
+        await router._target_info()
+        return router._lane_for_new()
+
+    lane = asyncio.run(lane_of())
+    assert lane.depth_cap(1) == 4  # type: ignore[attr-defined]
+    assert lane.depth_cap(4) == 3  # type: ignore[attr-defined]
+    assert lane.depth_cap(16) == 0  # type: ignore[attr-defined]
+    lane.target_waiting = 2  # type: ignore[attr-defined]
+    assert lane.depth_cap(1) == 1  # type: ignore[attr-defined]
+
+
+def test_overhead_counts_time_in_neither_pool() -> None:
+    record = StepRecord(0.0, 10.0, Work(1.0, 5.0), Work(3.0, 8.0), 1, 1, 2)
+    assert record.overhead == pytest.approx(3.0)  # covered: 1..8
+    assert StepRecord(0.0, 2.0, None, None, 0, 0, 0).overhead == pytest.approx(2.0)
+
+
+class Flaky:
+    """A pool that fails some calls of one method; `on_fail` may replace the replica (a restart)."""
+
+    def __init__(self, inner: LocalPool, method: str, fail_calls: set[int], on_fail: object = None) -> None:
+        self.inner, self.method, self.fail_calls, self.on_fail = inner, method, fail_calls, on_fail
+        self.calls = 0
+
+    async def call(self, method: str, lane: str | None, *args: object) -> object:
+        if method == self.method:
+            self.calls += 1
+            if self.calls in self.fail_calls:
+                if callable(self.on_fail):
+                    self.on_fail()
+                raise RuntimeError("replica lost")
+        return await self.inner.call(method, lane, *args)
+
+
+def test_draft_failure_never_fails_a_request(tiny_pair: TinyPair) -> None:
+    router = make_router(tiny_pair, draft_backoff_s=0.0)
+    router._draft = Flaky(router._draft, "propose", set(range(1, 10_000)))  # type: ignore[arg-type]
+    requests = prompts_and_lengths(4)
+    results = asyncio.run(run_all(router, requests))
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+        assert result["usage"]["drafted"] == 0  # decoded without speculation
+
+
+def test_target_restart_mid_request_reprefills(tiny_pair: TinyPair) -> None:
+    """The target replica is replaced (caches lost) mid-stream: the retry re-prefills, output unchanged."""
+    router = make_router(tiny_pair)
+    pool = router._target
+    config = TargetConfig(model=fp32(tiny_pair.target))
+
+    def restart() -> None:
+        pool.replicas[0] = TargetReplica(config, shards=LocalShards([TargetShard(config, 0)]))  # type: ignore[attr-defined]
+
+    router._target = Flaky(pool, "verify", {3, 7}, restart)  # type: ignore[arg-type,assignment]
+    requests = prompts_and_lengths(4)
+    results = asyncio.run(run_all(router, requests))
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+    assert router._target.calls > 7  # type: ignore[attr-defined]

@@ -1,0 +1,103 @@
+"""The wiring shown in deploy/http_ingress.py, over the real Router with in-process pools (no Ray cluster).
+
+The same class Serve would run: the Router with both front-door mixins, its app built by
+`__serve_build_asgi_app__`, the front door loaded from the target's folder (tokenizer and context
+window) by `load_front_door`. Requests go through the real router, lanes, draft worker and target
+replica; greedy output is the target's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from ray import serve
+from ray.serve import Application
+
+from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
+from actors.draft_worker import DraftWorker
+from actors.loading import Resolver, identity
+from actors.pools import LocalPool
+from actors.router import Router
+from actors.target_replica import LocalShards, TargetReplica
+from actors.target_shard import TargetShard
+from deploy.frontdoor import FrontDoorConfig, load_front_door
+from deploy.grpc_ingress import GrpcIngress
+from deploy.http_ingress import OpenAIIngress
+from tests.front_router import MODEL_NAME, tiny_pair, tiny_tokenizer
+from tests.tiny_models import reference_greedy
+
+
+class Ingress(OpenAIIngress, GrpcIngress, Router):  # as in deploy/http_ingress.py's docstring
+    def __init__(
+        self,
+        front: FrontDoorConfig,
+        config: RouterConfig,
+        draft: Any,
+        target: Any,
+        *,
+        tokenizer: str,
+        resolve: Resolver = identity,
+    ) -> None:
+        Router.__init__(self, config, draft, target, tokenizer=tokenizer, resolve=resolve)
+        self.front = load_front_door(front, tokenizer, resolve)
+
+
+FRONT = FrontDoorConfig(served_model_name=MODEL_NAME)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    root = tmp_path_factory.mktemp("front")
+    target, draft = tiny_pair()
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return root / "target", root / "draft", target
+
+
+@pytest.fixture(scope="module")
+def client(folders: tuple[Path, Path, Any]) -> Iterator[TestClient]:
+    target_dir, draft_dir = str(folders[0]), str(folders[1])
+    target_cfg = TargetConfig(model=ModelConfig(path=target_dir, dtype="float32"))
+    target = TargetReplica(target_cfg, shards=LocalShards([TargetShard(target_cfg, 0)]))
+    draft_cfg = DraftWorkerConfig(model=ModelConfig(path=draft_dir, dtype="float32"), target_model=target_dir)
+    ingress = Ingress(
+        FRONT, RouterConfig(), LocalPool([DraftWorker(draft_cfg)]), LocalPool([target]), tokenizer=target_dir
+    )
+    with TestClient(ingress.__serve_build_asgi_app__()) as c:
+        yield c
+
+
+def test_the_ingress_class_builds_a_serve_application() -> None:
+    deployment = serve.deployment(name="router")(serve.ingress()(Ingress))
+    app = deployment.bind(FRONT, RouterConfig(), None, None, tokenizer="unused")
+    assert isinstance(app, Application)
+
+
+def test_real_router_behind_the_http_front_door(client: TestClient, folders: tuple[Path, Path, Any]) -> None:
+    tokenizer = tiny_tokenizer()
+    prompt = tokenizer.encode("the quick brown fox")
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body | {"return_token_ids": True}).json()
+    assert full["choices"][0]["token_ids"] == reference_greedy(folders[2], prompt, 10)
+    assert full["usage"]["acceptance_length"] >= 1.0
+    stream = client.post("/v1/completions", json=body | {"stream": True}).text
+    texts = [line for line in stream.split("\n\n") if line.startswith("data: {")]
+    assert stream.endswith("data: [DONE]\n\n") and len(texts) >= 1
+    models = client.get("/v1/models").json()["data"]
+    assert models[0]["max_model_len"] == 1024  # the target config's max_position_embeddings
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_the_routers_own_checks_become_400s(client: TestClient) -> None:
+    body = {"model": MODEL_NAME, "prompt": [5, 500], "max_tokens": 2}  # 500 is outside the 96-token vocabulary
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    streamed = client.post("/v1/completions", json=body | {"stream": True})
+    assert streamed.status_code == 400 and "0..95" in streamed.json()["error"]["message"]
+    assert client.get("/health").json() == {"status": "ok", "model": MODEL_NAME}

@@ -1,0 +1,172 @@
+"""The gRPC front door (specserve.v1.SpecServe) on a plain grpc.aio server over the tiny real router.
+
+Serve's gRPC proxy calls the same `GrpcIngress` methods; here `PlainServicer` hosts them and applies
+their status the way the proxy does. Needs the generated stubs (`make proto`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS, PlainServicer
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
+from tests.front_router import MODEL_NAME, TinyIngress, front_door, tiny_pair, tiny_tokenizer
+from tests.tiny_models import reference_greedy
+
+KEY = "grpc-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ingress(models, tokenizer) -> TinyIngress:
+    return TinyIngress(front_door(tokenizer, WINDOW, api_key=KEY), *models)
+
+
+def run(ingress: TinyIngress, scenario: Callable[[pb_grpc.SpecServeStub], Awaitable[Any]]) -> Any:
+    """Serve `ingress` on 127.0.0.1 (a free port) for one scenario, in this test's event loop."""
+
+    async def main() -> Any:
+        server = grpc.aio.server()
+        pb_grpc.add_SpecServeServicer_to_server(PlainServicer(ingress), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return await scenario(pb_grpc.SpecServeStub(channel))
+        finally:
+            await server.stop(grace=None)
+
+    return asyncio.run(main())
+
+
+def greedy(ids: list[int], max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
+    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return pb.GenerateRequest(model=MODEL_NAME, token_ids=pb.TokenIds(ids=ids), sampling=params)
+
+
+def test_servicer_function_is_importable_for_serve() -> None:
+    from ray.serve.config import gRPCOptions
+
+    options = gRPCOptions(grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
+    assert options.grpc_servicer_func_callable == [pb_grpc.add_SpecServeServicer_to_server]
+
+
+def test_unary_and_stream_give_the_targets_greedy_tokens(ingress: TinyIngress, models, tokenizer) -> None:
+    prompt = tokenizer.encode("the quick brown fox")
+    request = greedy(prompt, 12)
+
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[Any, list[Any], Any]:
+        health = await stub.Health(pb.HealthRequest())
+        unary = await stub.Generate(request, metadata=AUTH)
+        stream = [m async for m in stub.GenerateStream(request, metadata=AUTH)]
+        return health, stream, unary
+
+    health, stream, unary = run(ingress, scenario)
+    assert health.status == pb.HealthResponse.SERVING_STATUS_SERVING
+    assert (health.model, health.context_window) == (MODEL_NAME, WINDOW)
+    assert list(unary.token_ids) == reference_greedy(models[0], prompt, 12)
+    assert unary.text == tokenizer.decode(list(unary.token_ids), skip_special_tokens=True)
+    assert unary.finish_reason == pb.FINISH_REASON_LENGTH and unary.model == MODEL_NAME
+    assert unary.usage.prompt_tokens == len(prompt) and unary.usage.completion_tokens == 12
+    assert unary.usage.draft_tokens >= unary.usage.accepted_tokens and unary.usage.acceptance_length >= 1.0
+    assert [t for m in stream for t in m.token_ids] == list(unary.token_ids)
+    assert "".join(m.text for m in stream) == unary.text
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not m.HasField("usage") for m in stream[:-1])
+    assert stream[-1].finish_reason == pb.FINISH_REASON_LENGTH and stream[-1].usage == unary.usage
+
+
+def test_text_prompt_and_stop_string(ingress: TinyIngress, tokenizer) -> None:
+    params = pb.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    request = pb.GenerateRequest(text="hello world", sampling=params)  # model unset: the served model
+
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[Any, Any]:
+        full = await stub.Generate(request, metadata=AUTH)
+        stop = full.text.split()[1]
+        request.sampling.stop.append(stop)
+        return full, await stub.Generate(request, metadata=AUTH)
+
+    full, cut = run(ingress, scenario)
+    assert full.usage.prompt_tokens == len(tokenizer.encode("hello world"))
+    assert cut.finish_reason == pb.FINISH_REASON_STOP
+    assert cut.text == full.text[: full.text.index(full.text.split()[1])]
+
+
+BAD = [
+    ("no-prompt", pb.GenerateRequest(model=MODEL_NAME), grpc.StatusCode.INVALID_ARGUMENT, "prompt: set"),
+    ("empty-text", pb.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "text: must not be empty"),
+    ("empty-ids", pb.GenerateRequest(token_ids=pb.TokenIds()), grpc.StatusCode.INVALID_ARGUMENT, "token_ids: must"),
+    ("top-p-zero", greedy([5, 6], 4, top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p:"),
+    ("temperature-high", greedy([5, 6], 4), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature:"),
+    ("max-tokens-zero", greedy([5, 6], 0), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens:"),
+    ("beyond-window", greedy([5] * WINDOW, 4), grpc.StatusCode.INVALID_ARGUMENT, "token_ids: 64 tokens"),
+    ("max-tokens-overflow", greedy([5, 6], WINDOW), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: 64"),
+    ("empty-stop", greedy([5, 6], 4, stop=["x", ""]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
+    ("out-of-vocab", greedy([5, 9999], 4), grpc.StatusCode.INVALID_ARGUMENT, "token_ids:"),
+    ("unknown-model", pb.GenerateRequest(model="gpt-9", text="hi"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
+]
+BAD[4][1].sampling.temperature = 1000.0
+
+
+@pytest.mark.parametrize(("request_", "code", "words"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests_are_refused_in_unary_and_stream(
+    ingress: TinyIngress, request_: pb.GenerateRequest, code: grpc.StatusCode, words: str
+) -> None:
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[list[grpc.aio.AioRpcError], Any]:
+        errors = []
+        for call in (stub.Generate(request_, metadata=AUTH), _drain(stub.GenerateStream(request_, metadata=AUTH))):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            errors.append(e.value)
+        return errors, await stub.Generate(greedy([5, 6], 3), metadata=AUTH)
+
+    errors, after = run(ingress, scenario)
+    for error in errors:
+        assert error.code() == code and words in (error.details() or ""), error
+    assert len(after.token_ids) == 3  # the server keeps serving
+
+
+def test_missing_key_and_full_router(ingress: TinyIngress) -> None:
+    async def scenario(stub: pb_grpc.SpecServeStub) -> list[grpc.aio.AioRpcError]:
+        errors = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(greedy([5, 6], 3))
+        errors.append(e.value)
+        ingress.max_active = 0
+        try:
+            for call in (
+                stub.Generate(greedy([5, 6], 3), metadata=AUTH),
+                _drain(stub.GenerateStream(greedy([5], 3), metadata=AUTH)),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                errors.append(e.value)
+        finally:
+            ingress.max_active = 8
+        return errors
+
+    unauthenticated, *exhausted = run(ingress, scenario)
+    assert unauthenticated.code() == grpc.StatusCode.UNAUTHENTICATED
+    for error in exhausted:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after", "2") in tuple(error.trailing_metadata() or ())
+
+
+async def _drain(call: Any) -> list[Any]:
+    return [m async for m in call]
