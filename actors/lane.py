@@ -32,7 +32,6 @@ from actors.pools import Pool
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
-from speculative.stopping import check_stop
 from speculative.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -230,16 +229,7 @@ class Lane:
         seq = live.seq
         tree = live.proposal.tree if live.proposal is not None else None
         live.proposal = None
-        seq.depth.update(max(tree.depths) if tree else 0, n_accepted)
-        seq.stats.steps += 1
-        seq.stats.drafted += tree.size if tree else 0
-        seq.stats.accepted += n_accepted
-        before = len(seq.output)
-        seq.output += tokens
-        stop = check_stop(seq.output, len(tokens), seq.params, self.ctx.eos_ids, self.ctx.decode)
-        del seq.output[stop.keep :]
-        seq.finish_reason, seq.text_end = stop.reason, stop.text_end
-        new = seq.output[before:]
+        new = seq.commit(tree, tokens, n_accepted, self.ctx.eos_ids, self.ctx.decode)
         if seq.finish_reason is not None:
             live.chunks.put_nowait({"token_ids": new, "finish_reason": seq.finish_reason, "usage": usage(seq)})
             self._leave(g, live)

@@ -18,16 +18,14 @@ def identity(path: str) -> str:
 
 
 def load_lm(config: ModelConfig, resolve: Resolver = identity) -> PreTrainedModel:
-    if config.device != "cpu":
-        raise NotImplementedError(
-            "device: the core runner (speculative/runner.py) builds its masks and positions on the CPU; "
-            "'cuda' needs device support there first"
-        )
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device here")
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     model = AutoModelForCausalLM.from_pretrained(
         resolve(config.path), dtype=DTYPES[config.dtype], attn_implementation="sdpa"
     )
+    torch.nn.Module.to(model, torch.device(config.device))  # in place; transformers types .to oddly
     return model.eval()
 
 

@@ -18,6 +18,7 @@ from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_pro
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
 from speculative.target import TargetVerifier, VerifyItem
+from speculative.tree import TokenTree
 
 
 @dataclass
@@ -56,6 +57,26 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def commit(
+        self,
+        tree: TokenTree | None,
+        tokens: tuple[int, ...],
+        n_accepted: int,
+        eos_ids: frozenset[int],
+        decode: Callable[[list[int]], str] | None,
+    ) -> list[int]:
+        """Record one verified step: stats, adaptive depth, output cut at a stop. Returns new tokens."""
+        self.depth.update(max(tree.depths) if tree is not None else 0, n_accepted)
+        self.stats.steps += 1
+        self.stats.drafted += tree.size if tree is not None else 0
+        self.stats.accepted += n_accepted
+        before = len(self.output)
+        self.output += tokens
+        stop = check_stop(self.output, len(tokens), self.params, eos_ids, decode)
+        del self.output[stop.keep :]
+        self.finish_reason, self.text_end = stop.reason, stop.text_end
+        return self.output[before:]
 
 
 @dataclass(frozen=True)
@@ -143,17 +164,8 @@ class SpeculativeDecoder:
         return self.drafter.propose(requests)
 
     def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:
-        depth = max(prop.tree.depths)
-        seq.depth.update(depth, n_accepted)
-        seq.stats.steps += 1
-        seq.stats.drafted += prop.tree.size
-        seq.stats.accepted += n_accepted
-        before = len(seq.output)
-        seq.output += tokens
-        stop = check_stop(seq.output, len(tokens), seq.params, self.eos_ids, self.decode)
-        del seq.output[stop.keep :]
-        seq.finish_reason, seq.text_end = stop.reason, stop.text_end
-        return StepOutput(seq.seq_id, seq.output[before:], stop.reason)
+        new = seq.commit(prop.tree, tokens, n_accepted, self.eos_ids, self.decode)
+        return StepOutput(seq.seq_id, new, seq.finish_reason)
 
     def _finish(self, done: list[Sequence]) -> None:
         if not done:

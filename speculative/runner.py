@@ -44,6 +44,7 @@ class ModelRunner:
         self._base = model.base_model  # the transformer stack, without the LM head
         self._head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device  # model inputs go here; bookkeeping stays on CPU
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.rows: list[str] = []  # sequence id of each row
         self.lens = torch.zeros(0, dtype=torch.long)  # [B] committed tokens in cache
@@ -80,7 +81,7 @@ class ModelRunner:
         self._require_no_speculation("remove_rows")
         gone = {self.row(s) for s in seq_ids}
         keep = [i for i in range(len(self.rows)) if i not in gone]
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         self.lens = self.lens[index]
         self.cached = [self.cached[i] for i in keep]
@@ -130,8 +131,13 @@ class ModelRunner:
         self._extend_speculation(new_tokens, new_parents)
         mask = self._attention_mask(start, n)  # [B, 1, n, width + S]
         positions = self.lens[:, None] + self.spec.depths[:, start:]  # [B, n]
+        dev = self.device
         out = self._base(
-            input_ids=new_tokens, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True
+            input_ids=new_tokens.to(dev),
+            position_ids=positions.to(dev),
+            attention_mask=mask.to(dev),
+            cache=self.cache,
+            use_cache=True,
         )
         if logits_at is None:
             return None
@@ -140,8 +146,9 @@ class ModelRunner:
         for b, at in enumerate(logits_at):
             index[b, : len(at)] = torch.tensor(at, dtype=torch.long)
         hidden = out.last_hidden_state  # [B, n, H]
+        index = index.to(dev)
         picked = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
-        return self._head(picked).float()  # [B, m, V]
+        return self._head(picked).float().cpu()  # [B, m, V]
 
     def _extend_speculation(self, new_tokens: torch.Tensor, new_parents: torch.Tensor) -> None:
         batch, n = new_tokens.shape
@@ -187,7 +194,7 @@ class ModelRunner:
             self.cached[b] += self.spec.tokens[b, cols].tolist()
             self.lens[b] += len(cols)
         if rows:
-            r, s, d = (torch.tensor(x, dtype=torch.long) for x in (rows, src, dst))
+            r, s, d = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (rows, src, dst))
             for layer in self._layers():
                 layer.keys[r, :, d] = layer.keys[r, :, s]
                 layer.values[r, :, d] = layer.values[r, :, s]
