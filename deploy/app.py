@@ -1,6 +1,7 @@
 """The Serve application: router (ingress) -> draft pool + target pool, built from one `AppConfig`.
 
     serve run deploy/local.yaml             # or: serve run deploy.app:app_builder target_model=...
+    # gRPC: the YAML's top-level grpc_options name deploy.grpc_ingress.GRPC_SERVICER_FUNCTIONS
     serve deploy deploy/cluster.yaml        # on a running cluster (KubeRay: the same import path)
 
 Embedded (a laptop, a test): `serve.run(build_app(config))` after `ray.init()`.
@@ -21,6 +22,7 @@ from actors.draft_worker import DraftWorker
 from actors.router import Router
 from actors.target_replica import TargetReplica
 from deploy.config import AppConfig
+from deploy.ingress import Ingress
 from deploy.models import resolve
 
 # Lane calls go to the lane's pinned replica (actors/affinity.py).
@@ -56,13 +58,17 @@ def build_app(config: AppConfig) -> Application:
         **target_pool.autoscaling.serve_options(),
     )(TargetReplica).bind(config.target(), resolver)
     router_pool = config.router_pool
-    router = serve.deployment(
-        name="router",
-        ray_actor_options={"num_cpus": router_pool.num_cpus},
-        max_ongoing_requests=router_pool.max_ongoing_requests,
+    options: dict[str, Any] = {
+        "name": "router",
+        "ray_actor_options": {"num_cpus": router_pool.num_cpus},
+        "max_ongoing_requests": router_pool.max_ongoing_requests,
         **router_pool.autoscaling.serve_options(),
-    )(Router)
-    return router.bind(config.router(), draft, target, tokenizer=config.target_model, resolve=resolver)
+    }
+    kwargs = {"tokenizer": config.target_model, "resolve": resolver}
+    if config.front_door is None:  # handle-only (token ids in, token ids out)
+        return serve.deployment(**options)(Router).bind(config.router(), draft, target, **kwargs)
+    ingress = serve.deployment(**options)(serve.ingress()(Ingress))
+    return ingress.bind(config.front_door, config.router(), draft, target, **kwargs)
 
 
 def _bundles(config: AppConfig) -> list[dict[str, float]]:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, SpeculationLimits, TargetConfig
 from actors.scaling import BusyFractionPolicy
+from deploy.frontdoor import FrontDoorConfig
 from speculative.drafters.config import DrafterConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -150,6 +151,11 @@ class AppConfig(BaseModel):
     draft_pool: DraftPoolConfig = Field(default_factory=DraftPoolConfig, description="Draft replicas.")
     target_pool: TargetPoolConfig = Field(default_factory=TargetPoolConfig, description="Target replicas.")
     router_pool: RouterPoolConfig = Field(default_factory=RouterPoolConfig, description="Router replicas.")
+    front_door: FrontDoorConfig | None = Field(
+        default=None,
+        description="OpenAI HTTP + gRPC front doors on the router (needs the target's tokenizer); "
+        "None serves token ids through the deployment handle only.",
+    )
 
     @model_validator(mode="after")
     def _draft_model_when_needed(self) -> AppConfig:

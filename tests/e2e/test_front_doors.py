@@ -1,0 +1,163 @@
+"""The deployed application through Serve's own HTTP and gRPC proxies, as a client meets it.
+
+Local Ray (CPU), a tiny Llama target with a real tokenizer and a noisy-copy draft, the router as
+the ingress with both front doors: the official `openai` client (completions and chat, streaming
+and not) and a grpcio client generated from proto/ (unary and streaming) get the target's own
+greedy tokens; malformed requests get 400 / INVALID_ARGUMENT naming the field, and the server
+answers a valid request afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import torch
+from ray import serve
+
+from deploy.app import build_app
+from deploy.config import AppConfig
+from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
+from tests.actors.serve_helpers import local_ray
+from tests.front_router import MODEL_NAME, tiny_pair, tiny_tokenizer
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    root = tmp_path_factory.mktemp("e2e")
+    target, draft = tiny_pair()
+    tokenizer = tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    config = AppConfig.model_validate(
+        {
+            "target_model": str(root / "target"),
+            "draft_model": str(root / "draft"),
+            "dtype": "float32",
+            "torch_threads": 1,
+            "draft_pool": {"num_cpus": 0.5},
+            "target_pool": {"shard_num_cpus": 0.5},
+            "router_pool": {"num_cpus": 0.25},
+            "front_door": {"served_model_name": MODEL_NAME},
+        }
+    )
+    http_port, grpc_port = free_port(), free_port()
+    with local_ray(num_cpus=4):
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http_port},
+            grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+        )
+        serve.run(build_app(config), name="specserve", route_prefix="/")
+        yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "root": root}
+
+
+def reference(root: Path, prompt: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32)
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW)
+    return out[0, len(prompt) :].tolist()
+
+
+def client(served: dict) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused", max_retries=0)
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_NEW, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+def test_completions_with_the_openai_client_equal_the_target(served: dict) -> None:
+    prompt = [7, 8, 9, 10, 11, 7, 8]
+    expected = reference(served["root"], prompt)
+    done = client(served).completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
+    assert done.choices[0].model_extra["token_ids"] == expected
+    assert done.usage.completion_tokens == MAX_NEW
+    assert done.usage.model_extra["draft_tokens"] > 0
+    chunks = list(client(served).completions.create(model=MODEL_NAME, prompt=prompt, stream=True, **GREEDY))
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [] if c.choices else [])]
+    assert streamed == expected
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+
+
+def test_chat_with_the_openai_client_streams_what_it_returns(served: dict) -> None:
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    done = client(served).chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    text = done.choices[0].message.content
+    stream = client(served).chat.completions.create(model=MODEL_NAME, messages=messages, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    assert client(served).models.list().data[0].id == MODEL_NAME
+
+
+def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
+    prompt = [12, 13, 14, 15, 12, 13]
+    expected = reference(served["root"], prompt)
+    request = pb.GenerateRequest(
+        model=MODEL_NAME,
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+    )
+    metadata = (("application", "specserve"),)
+
+    async def call() -> tuple[pb.GenerateResponse, list[int]]:
+        async with grpc.aio.insecure_channel(served["grpc"]) as channel:
+            stub = pb_grpc.SpecServeStub(channel)
+            unary = await stub.Generate(request, metadata=metadata)
+            streamed = [t async for m in stub.GenerateStream(request, metadata=metadata) for t in m.token_ids]
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.Generate(
+                    pb.GenerateRequest(model=MODEL_NAME, text="hi", sampling=pb.SamplingParams(temperature=-1)),
+                    metadata=metadata,
+                )
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "temperature" in (bad.value.details() or "")
+            return unary, streamed
+
+    unary, streamed = asyncio.run(call())
+    assert list(unary.token_ids) == expected and streamed == expected
+    assert unary.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"{not json", None),
+        (b'{"model": "tiny-llama", "prompt": "hi", "temperature": -1}', "temperature"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "top_p": 2}', "top_p"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": "many"}', "max_tokens"),
+        (b'{"model": "tiny-llama", "prompt": ""}', "prompt"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "n": 2}', "n"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "bogus": 1}', "bogus"),
+    ],
+)
+def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: bytes, field: str | None) -> None:
+    request = urllib.request.Request(
+        served["http"] + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 400
+    error = json.loads(err.value.read())["error"]
+    if field is not None:
+        assert field in (error.get("param") or "") + error["message"]
+    ok = client(served).completions.create(model=MODEL_NAME, prompt="the cat", max_tokens=3, temperature=0.0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
