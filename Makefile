@@ -2,9 +2,6 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 export SPECSERVE_MODELS ?= $(HOME)/.cache/specserve/models
-# Default models: registry names of deploy/models.py, or local HF folders / hub ids.
-TARGET ?= qwen-1.5b
-DRAFT ?= qwen-0.5b
 
 PROTO_STUBS := proto/specserve_pb2.py proto/specserve_pb2.pyi proto/specserve_pb2_grpc.py
 
@@ -33,8 +30,8 @@ lint: proto
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy speculative actors deploy bench
 
-run: models  ## generate with the default Qwen pair
-	$(PYTHON) -m deploy.cli generate --target $(TARGET) --draft $(DRAFT) --prompt "Write a Python function that checks whether a number is prime."
+run: models  ## the server on embedded Ray with the default Qwen pair, answering one streamed request
+	$(PYTHON) -m deploy.cli serve
 
 bench: models
 	$(PYTHON) -m bench.single_stream

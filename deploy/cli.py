@@ -46,6 +46,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from deploy.demo import DEFAULT_CONFIG, serve_demo
+
+    config = Path(args.config) if args.config else DEFAULT_CONFIG
+    return serve_demo(config, args.prompt, args.max_tokens, args.keep_running, args.port)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="the server on an embedded local Ray, answering one streamed request")
+    srv.add_argument("--config", default=None, help="a Serve YAML (default: deploy/local.yaml)")
+    srv.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    srv.add_argument("--max-tokens", type=int, default=96)
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--keep-running", action="store_true", help="keep serving after the demo request")
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
