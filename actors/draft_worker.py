@@ -15,6 +15,7 @@ from typing import Any
 from actors.config import DraftWorkerConfig
 from actors.groups import GroupCaches
 from actors.loading import Resolver, identity, load_lm, vocab_size_of
+from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.wire import Drafted, Stopwatch, WireProposal
@@ -32,6 +33,7 @@ class DraftWorker:
         self._busy = BusyMeter()
         self._calls = 0
         self.tag = replica_tag(self)
+        mark_replica_up()
 
     def _new_drafter(self) -> Drafter | None:
         return build_drafter(self.config.drafter, self.model, self.target_vocab)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.config import RouterConfig
+from actors.metrics import RouterMetrics
 from actors.pools import Pool
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
@@ -45,6 +46,8 @@ class Live:
     chunks: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     proposal: WireProposal | None = None  # drafted, not yet verified
     cancelled: bool = False
+    admitted: float = field(default_factory=time.time)
+    last_emit: float | None = None  # when the client last got tokens
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class LaneContext:
     eos_ids: frozenset[int]
     decode: Callable[[list[int]], str] | None
     record: Callable[[StepRecord], None]
+    metrics: RouterMetrics
 
 
 class Lane:
@@ -175,6 +179,7 @@ class Lane:
             room = seq.params.max_tokens - len(seq.output) - 1  # a step always adds one token
             depth = max(min(seq.depth.next_depth(), cap, room), 0)
             requests.append(DraftRequest(seq.seq_id, tuple(seq.tokens), depth, seq.params))
+        self.ctx.metrics.depth.set(sum(r.budget for r in requests) / max(len(requests), 1))
         proposals: list[WireProposal] | None = None
         half = _Half(seqs=len(lives))
         pool = self.ctx.draft
@@ -230,7 +235,12 @@ class Lane:
         tree = live.proposal.tree if live.proposal is not None else None
         live.proposal = None
         new = seq.commit(tree, tokens, n_accepted, self.ctx.eos_ids, self.ctx.decode)
+        now = time.time()
+        self.ctx.metrics.step(tree.depths if tree else (0,), n_accepted, len(new), now, live)
         if seq.finish_reason is not None:
+            self.ctx.metrics.finished(
+                seq.finish_reason, seq.stats.acceptance_length, len(seq.output), now - live.admitted
+            )
             live.chunks.put_nowait({"token_ids": new, "finish_reason": seq.finish_reason, "usage": usage(seq)})
             self._leave(g, live)
         elif new:
@@ -245,6 +255,7 @@ class Lane:
 
     def _fail(self, g: int, message: str) -> None:
         for live in list(self.groups[g].values()):
+            self.ctx.metrics.finished("error", 0.0, 0, 0.0)
             live.chunks.put_nowait({"error": message})
             self._leave(g, live)
 

@@ -25,6 +25,7 @@ from typing import Any
 from actors.config import RouterConfig
 from actors.lane import Lane, LaneContext, Live, StepRecord
 from actors.loading import Resolver, identity, load_decoder
+from actors.metrics import RouterMetrics
 from actors.pools import Pool, ServePool
 from actors.wire import TargetInfo
 from speculative.adaptive import AdaptiveDepth
@@ -62,6 +63,7 @@ class Router:
         self._live: dict[str, Live] = {}
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
+        self._metrics = RouterMetrics()
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -87,8 +89,11 @@ class Router:
                 if chunk["finish_reason"] is not None:
                     return
         finally:
+            if live.seq.finish_reason is None:
+                self._metrics.requests.inc(1, tags={"finish_reason": "cancelled"})
             live.cancelled = True  # a client that went away: the lane drops it between rounds
             self._live.pop(live.seq.seq_id, None)
+            self._metrics.queue.set(len(self._live))
 
     async def stats(self, reset: bool = False) -> dict[str, Any]:
         """Means over the recorded rounds: step time, draft and target compute, router overhead."""
@@ -117,6 +122,7 @@ class Router:
         seq = Sequence(seq_id, list(prompt), params, AdaptiveDepth(self.config.limits.adaptive))
         live = Live(seq)
         self._live[seq_id] = live
+        self._metrics.queue.set(len(self._live))
         self._lane_for_new().add(live)
         return live
 
@@ -127,7 +133,13 @@ class Router:
         index = next(i for i in itertools.count() if i not in self._lanes)  # reuse names: bounded affinity keys
         assert self._info is not None, "admission fetches the target's info first"
         ctx = LaneContext(
-            self.config, self._draft, self._target, self._info.eos_ids, self._decode, self._records.append
+            self.config,
+            self._draft,
+            self._target,
+            self._info.eos_ids,
+            self._decode,
+            self._records.append,
+            self._metrics,
         )
 
         def closed(lane: Lane) -> None:

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import TargetConfig
 from actors.loading import Resolver, identity
+from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.target_shard import TargetShard
@@ -88,6 +89,7 @@ class TargetReplica:
         self._calls = 0
         self._disagreements = 0
         self.tag = replica_tag(self)
+        mark_replica_up()
 
     async def verify(
         self, cache_key: str, items: list[WireVerifyItem], release: list[str], lane: str | None = None

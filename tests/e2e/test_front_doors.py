@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -61,14 +62,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             "front_door": {"served_model_name": MODEL_NAME},
         }
     )
-    http_port, grpc_port = free_port(), free_port()
-    with local_ray(num_cpus=4):
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    with local_ray(num_cpus=4, _metrics_export_port=metrics_port):
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
         )
         serve.run(build_app(config), name="specserve", route_prefix="/")
-        yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "root": root}
+        yield {
+            "http": f"http://127.0.0.1:{http_port}",
+            "grpc": f"127.0.0.1:{grpc_port}",
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            "root": root,
+        }
 
 
 def reference(root: Path, prompt: list[int]) -> list[int]:
@@ -99,9 +105,13 @@ def test_completions_with_the_openai_client_equal_the_target(served: dict) -> No
     assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
 
 
-def test_chat_with_the_openai_client_streams_what_it_returns(served: dict) -> None:
+def test_chat_with_the_openai_client_equals_the_target(served: dict) -> None:
     messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    tokenizer = tiny_tokenizer()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = reference(served["root"], list(tokenizer.encode(str(rendered), add_special_tokens=False)))
     done = client(served).chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    assert done.choices[0].model_extra["token_ids"] == expected
     text = done.choices[0].message.content
     stream = client(served).chat.completions.create(model=MODEL_NAME, messages=messages, stream=True, **GREEDY)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
@@ -161,3 +171,36 @@ def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: by
         assert field in (error.get("param") or "") + error["message"]
     ok = client(served).completions.create(model=MODEL_NAME, prompt="the cat", max_tokens=3, temperature=0.0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of every sample of a metric (any tags) in Prometheus text format; Ray prefixes `ray_`."""
+    total = 0.0
+    for line in text.splitlines():
+        sample = line.split("{")[0].split(" ")[0]
+        if not line.startswith("#") and sample.endswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_prometheus_endpoint_shows_speculative_metrics(served: dict) -> None:
+    """After requests, Ray's Prometheus endpoint shows draft / accepted counters and acceptance."""
+    client(served).completions.create(model=MODEL_NAME, prompt=[7, 8, 9, 7, 8], **GREEDY)
+    names = [
+        "specserve_draft_tokens_total",
+        "specserve_accepted_tokens_total",
+        "specserve_acceptance_length_count",
+        "specserve_time_to_first_token_seconds_count",
+        "specserve_replica_up",
+    ]
+    deadline = time.monotonic() + 90  # metrics reach the endpoint on Ray's report interval
+    totals: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(served["metrics"], timeout=10).read().decode()
+        totals = {name: metric_total(text, name) for name in names}
+        if all(totals.values()):
+            break
+        time.sleep(2)
+    assert all(totals.values()), totals
+    assert totals["specserve_replica_up"] >= 2  # one draft and one target replica
+    assert metric_total(text, "specserve_acceptance_length_sum") / totals["specserve_acceptance_length_count"] >= 1
