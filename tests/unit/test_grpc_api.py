@@ -120,8 +120,19 @@ BAD = [
     ("empty-stop", greedy([5, 6], 4, stop=["x", ""]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
     ("out-of-vocab", greedy([5, 9999], 4), grpc.StatusCode.INVALID_ARGUMENT, "token_ids:"),
     ("unknown-model", pb.GenerateRequest(model="gpt-9", text="hi"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
+    ("temperature-negative", greedy([5, 6], 4), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature:"),
+    ("top-p-above-one", greedy([5, 6], 4, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p:"),
+    ("penalty-zero", greedy([5, 6], 4, repetition_penalty=0.0), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty"),
+    (
+        "penalty-high",
+        greedy([5, 6], 4, repetition_penalty=11.0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "repetition_penalty",
+    ),
+    ("seed-too-big", greedy([5, 6], 4, seed=2**63), grpc.StatusCode.INVALID_ARGUMENT, "sampling.seed"),
 ]
 BAD[4][1].sampling.temperature = 1000.0
+BAD[11][1].sampling.temperature = -0.5
 
 
 @pytest.mark.parametrize(("request_", "code", "words"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
