@@ -48,10 +48,11 @@ OURS = {
 
 
 def run_ours(models: LocalModels, config: DrafterConfig, prompt: list[int], n: int, depth: int) -> dict[str, Any]:
+    """Greedy, stopping at the target's end-of-sequence tokens as HF generate does."""
     draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0
     decoder = models.decoder(config, AdaptiveConfig(max_depth=depth, draft_cost=draft_cost))
     start = time.perf_counter()
-    (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n))
     elapsed = time.perf_counter() - start
     t = decoder.times
     return {
@@ -78,23 +79,22 @@ def bench_dtype(dtype: str, n: int, depth: int, target: str, draft: str) -> list
     models = LocalModels.load(target, draft, dtype)
     prompts = {k: models.chat_prompt(v) for k, v in PROMPTS.items()}
 
-    def ours(config: DrafterConfig) -> Callable[[list[int]], dict[str, Any]]:
-        return lambda p: run_ours(models, config, p, n, depth)
+    def ours(config: DrafterConfig) -> Callable[[list[int], int], dict[str, Any]]:
+        return lambda p, k: run_ours(models, config, p, k, depth)
 
-    methods: dict[str, Callable[[list[int]], dict[str, Any]]] = {
-        "target": lambda p: run_hf(models, p, n, assisted=False),
+    methods: dict[str, Callable[[list[int], int], dict[str, Any]]] = {
+        "target": lambda p, k: run_hf(models, p, k, assisted=False),
         **{name: ours(config) for name, config in OURS.items()},
-        "hf-assisted": lambda p: run_hf(models, p, n, assisted=True),
+        "hf-assisted": lambda p, k: run_hf(models, p, k, assisted=True),
     }
     warm = models.chat_prompt("Hello")
     for fn in methods.values():  # warm-up: first-call allocations and kernel selection
-        run = fn(warm[:8])
-        del run
+        fn(warm, 8)
     rows = []
     reference: dict[str, list[int]] = {}
     for method, fn in methods.items():
         for kind, prompt in prompts.items():
-            result = fn(prompt)
+            result = fn(prompt, n)
             if method == "target":
                 reference[kind] = result["tokens"]
             result.update(dtype=dtype, method=method, prompt=kind, exact=result["tokens"] == reference[kind])
