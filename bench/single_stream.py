@@ -71,7 +71,8 @@ def run_hf(models: LocalModels, prompt: list[int], n: int, assisted: bool) -> di
     start = time.perf_counter()
     target: Any = models.target.model
     with torch.no_grad():
-        out = target.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kwargs)
+        # Stop at the end-of-sequence token as ours does: min_new_tokens would mask EOS and change the text.
+        out = target.generate(ids, do_sample=False, max_new_tokens=n, pad_token_id=0, **kwargs)
     return {"tokens": out[0, len(prompt) :].tolist(), "seconds": time.perf_counter() - start}
 
 
