@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--target", default="qwen-1.5b")
     parser.add_argument("--draft", default="qwen-0.5b")
+    parser.add_argument("--output", default="single_stream", help="results name under bench/results/")
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes.split(","):
@@ -219,9 +220,9 @@ def main() -> None:
         "greedy output.\n\n"
     )
     stem = report.write(
-        "single_stream",
+        args.output,
         {"args": vars(args), "summary": summary, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
-        notes + report.markdown_table(columns, table) + "\n\n![speedup](single_stream.png)",
+        notes + report.markdown_table(columns, table) + f"\n\n![speedup]({args.output}.png)",
     )
     plot(summary, f"{stem}.png")
     print(report.markdown_table(columns, table))
