@@ -1,4 +1,4 @@
-"""The wiring shown in deploy/http_ingress.py, over the real Router with in-process pools (no Ray cluster).
+"""deploy.ingress.Ingress (what build_app deploys), over the real Router with in-process pools (no Ray cluster).
 
 The same class Serve would run: the Router with both front-door mixins, its app built by
 `__serve_build_asgi_app__`, the front door loaded from the target's folder (tokenizer and context
@@ -19,32 +19,13 @@ from ray.serve import Application
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
-from actors.loading import Resolver, identity
 from actors.pools import LocalPool
-from actors.router import Router
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
-from deploy.frontdoor import FrontDoorConfig, load_front_door
-from deploy.grpc_ingress import GrpcIngress
-from deploy.http_ingress import OpenAIIngress
+from deploy.frontdoor import FrontDoorConfig
+from deploy.ingress import Ingress
 from tests.front_router import MODEL_NAME, tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
-
-
-class Ingress(OpenAIIngress, GrpcIngress, Router):  # as in deploy/http_ingress.py's docstring
-    def __init__(
-        self,
-        front: FrontDoorConfig,
-        config: RouterConfig,
-        draft: Any,
-        target: Any,
-        *,
-        tokenizer: str,
-        resolve: Resolver = identity,
-    ) -> None:
-        Router.__init__(self, config, draft, target, tokenizer=tokenizer, resolve=resolve)
-        self.front = load_front_door(front, tokenizer, resolve)
-
 
 FRONT = FrontDoorConfig(served_model_name=MODEL_NAME)
 
