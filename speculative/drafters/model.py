@@ -89,8 +89,9 @@ class DraftModelDrafter:
         """Add the children of node `idx`; logits: [V_draft] next-token logits at that node."""
         path = self._path_tokens(nodes, idx)
         scores = logits[None, : self.vocab]  # [1, V]
-        seen = context_seen(list(req.tokens), [path], self.vocab)
-        scores = apply_repetition_penalty(scores, seen, req.params.repetition_penalty)
+        if req.params.uses_penalty:  # a [V] mask of the context per node: only when it matters
+            seen = context_seen(list(req.tokens), [path], self.vocab)
+            scores = apply_repetition_penalty(scores, seen, req.params.repetition_penalty)
         q = probs_from_logits(scores, req.params)[0]  # [V]
         nodes[idx].probs = q
         for tok in self._children(req, q, scores[0], depth, idx):
