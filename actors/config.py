@@ -103,6 +103,12 @@ class SpeculationLimits(BaseModel):
     shrink_when_queued: bool = Field(
         default=True, description="Halve the depth cap for each verify call queued at the target (saturation -> k=0)."
     )
+    load_adaptive: bool = Field(
+        default=True,
+        description="Cap each batch's depth at the k with the most expected tokens/s, from the lane's measured "
+        "verify and draft costs (speculative/load_control.py); k = 0 (plain decoding) when speculation does not "
+        "pay at this load.",
+    )
 
 
 class RouterConfig(BaseModel):
@@ -132,6 +138,11 @@ class RouterConfig(BaseModel):
         ge=0,
         le=600,
         description="After a failed draft call the lane decodes without speculation this long.",
+    )
+    drafts_sampled: bool = Field(
+        default=True,
+        description="The draft pool samples drafts under sampling (rejection rule), so depth changes a seeded "
+        "request's tokens: the load cap then spares sampled requests (set from the drafter config).",
     )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
     limits: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Speculation limits.")

@@ -33,6 +33,7 @@ from actors.pools import Pool
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
+from speculative.load_control import StepCosts, choose_cap
 from speculative.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class LaneContext:
     decode: Callable[[list[int]], str] | None
     record: Callable[[StepRecord], None]
     metrics: RouterMetrics
+    costs: StepCosts  # measured verify / draft costs, shared by the router's lanes
 
 
 class Lane:
@@ -172,13 +174,20 @@ class Lane:
         if g is None:
             return None
         lives = list(self.groups[g].values())
+        # Each sequence's own depth (acceptance; a step always adds one token), then the batch's cap.
+        wants = [max(min(x.seq.depth.next_depth(), x.seq.params.max_tokens - len(x.seq.output) - 1), 0) for x in lives]
         cap = self.depth_cap(len(lives))
-        requests = []
-        for live in lives:
-            seq = live.seq
-            room = seq.params.max_tokens - len(seq.output) - 1  # a step always adds one token
-            depth = max(min(seq.depth.next_depth(), cap, room), 0)
-            requests.append(DraftRequest(seq.seq_id, tuple(seq.tokens), depth, seq.params))
+        capped, load_cap = [True] * len(lives), cap
+        if self.ctx.config.limits.load_adaptive:
+            # Sampled drafts: depth would change a seeded request's tokens, so load does not set it.
+            capped = [x.seq.params.greedy or not self.ctx.config.drafts_sampled for x in lives]
+            overlapped = all(self.groups)  # the other group's verify runs beside this draft
+            acceptances = [x.seq.depth.acceptance for x in lives]
+            load_cap = choose_cap(wants, acceptances, self.ctx.costs, cap, overlapped, capped)
+        requests = [
+            DraftRequest(x.seq.seq_id, tuple(x.seq.tokens), min(want, load_cap if c else cap), x.seq.params)
+            for x, want, c in zip(lives, wants, capped, strict=True)
+        ]
         self.ctx.metrics.depth.set(sum(r.budget for r in requests) / max(len(requests), 1))
         proposals: list[WireProposal] | None = None
         half = _Half(seqs=len(lives))
@@ -190,6 +199,9 @@ class Lane:
                 )
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
+                nodes = sum(p.tree.size for p in proposals)
+                depth = max(r.budget for r in requests)
+                self.ctx.costs.observe_draft(len(requests), depth, nodes, drafted.work.seconds)
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s
@@ -212,6 +224,8 @@ class Lane:
             self._fail(g, "target pool unavailable")
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
+        if all(x.seq.stats.steps for x in lives):  # no prompt prefill in this forward: a clean measurement
+            self.ctx.costs.observe_verify(sum(item.proposal.tree.size + 1 for item in items), verified.work.seconds)
         committed = 0
         for live, verdict in zip(lives, verified.verdicts, strict=True):
             committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))

@@ -30,6 +30,7 @@ from actors.pools import Pool, ServePool
 from actors.wire import TargetInfo
 from speculative.adaptive import AdaptiveDepth
 from speculative.decoder import Sequence
+from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Router:
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
         self._metrics = RouterMetrics()
+        self._costs = StepCosts()  # lanes come and go; what a verify or draft costs here outlives them
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -140,6 +142,7 @@ class Router:
             self._decode,
             self._records.append,
             self._metrics,
+            self._costs,
         )
 
         def closed(lane: Lane) -> None:

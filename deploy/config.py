@@ -189,4 +189,5 @@ class AppConfig(BaseModel):
         )
 
     def router(self) -> RouterConfig:
-        return self.router_pool.router.model_copy(update={"limits": self.speculation})
+        sampled = self.drafter.sampled and self.drafter.kind in ("model", "hybrid")
+        return self.router_pool.router.model_copy(update={"limits": self.speculation, "drafts_sampled": sampled})

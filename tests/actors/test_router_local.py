@@ -50,6 +50,7 @@ def test_greedy_matches_target_alone(tiny_pair: TinyPair, drafts: int, pipelinin
     usage = [r["usage"] for r in results]
     assert sum(u["accepted"] for u in usage) > 0, "the noisy-copy draft should be accepted sometimes"
     assert all(u["acceptance_length"] >= 1.0 for u in usage)
+    assert router._costs.verify.points, "the lanes measure verify costs, which set the load cap"
 
 
 def test_stream_chunks_add_up_and_requests_join_late(tiny_pair: TinyPair) -> None:

@@ -1,0 +1,269 @@
+"""Load sweep: the running application over HTTP (OpenAI API), speculation on and off, c = 1..32.
+
+One run, same machine, same models. For each mode the application is deployed on embedded Ray
+with Serve's HTTP proxy, then driven by `c` closed-loop clients (each sends its next streamed chat
+completion when the last one ends) over a fixed prompt mix (code, prose, list, chat, and code
+editing whose answer quotes the prompt):
+- off:    no drafter, the target alone behind the same router (plain continuous batching);
+- draft:  the draft model proposes chains; depth per sequence by acceptance, per batch by load;
+- lookup: prompt lookup (n-gram matches in the context), no draft model.
+Reported per mode and concurrency: output tokens/s over the level's wall time, time to first token
+and inter-token latency (gap between streamed chunks, per token) p50 / p99, tokens committed per
+target step (acceptance length), and the ratio to `off` at the same concurrency. At c = 1 it also
+reports the analytic bound L*T/(V+D) of DESIGN.md from the same run (T: off's verify step, V and
+D: this mode's verify and draft compute inside the workers) and efficiency = speedup / bound.
+
+Both pools get the whole machine's threads and the router runs draft, then verify (no ping-pong):
+on a 2-core CPU the two would only contend (bench/results/pipelining.md).
+
+    python -m bench.load_sweep                                      # Qwen 1.5B / 0.5B, bf16
+    python -m bench.load_sweep --target smollm2-135m --modes off lookup --concurrency 1 4 --max-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import ray
+from ray import serve
+
+from bench import report
+from bench.single_stream import PROMPTS
+from deploy.app import build_app
+from deploy.config import AppConfig
+from deploy.demo import _wait_ready
+from deploy.models import REGISTRY, fetch
+
+REPO = str(Path(__file__).resolve().parents[1])
+DRAFTERS = {"off": "none", "draft": "model", "lookup": "lookup"}
+
+
+def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
+    return AppConfig.model_validate(
+        {
+            "front_door": {"served_model_name": "bench"},
+            "target_model": args.target,
+            "draft_model": args.draft if mode == "draft" else None,
+            "dtype": args.dtype,
+            "torch_threads": args.threads,
+            "drafter": {"kind": DRAFTERS[mode]},
+            "speculation": {"adaptive": {"max_depth": args.max_depth}, "verify_token_budget": 256},
+            "draft_pool": {"num_cpus": 1},
+            "target_pool": {"shard_num_cpus": 1},
+            "router_pool": {"num_cpus": 0.5, "router": {"pipelining": False, "max_lane_sequences": 64}},
+        }
+    )
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    usage: dict[str, Any] = {}
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    tokens = usage.get("completion_tokens", 0)
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    # Chunks carry several tokens when drafts are accepted: spread each gap over its chunk's tokens.
+    per_token = (tokens - 1) / len(gaps) if gaps else 1.0
+    return {
+        "tokens": tokens,
+        "ttft": arrivals[0] - start if arrivals else float("nan"),
+        "itl": [g / per_token for g in gaps],
+        "steps": usage.get("steps", tokens),
+        "acceptance_length": usage.get("acceptance_length", 1.0),
+    }
+
+
+async def level(url: str, c: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    texts = list(PROMPTS.values())
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(texts[i % len(texts)])
+    results: list[dict[str, Any]] = []
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            results.append(await one_request(session, url, queue.get_nowait(), max_tokens))
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*[client(session) for _ in range(c)])
+        wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results]
+    itl = [g for r in results for g in r["itl"]]
+    return {
+        "concurrency": c,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p99": _pct(ttft, 99),
+        "itl_p50": _pct(itl, 50),
+        "itl_p99": _pct(itl, 99),
+        "acceptance_length": tokens / max(sum(r["tokens"] / r["acceptance_length"] for r in results), 1e-9),
+    }
+
+
+def _pct(xs: list[float], q: int) -> float:
+    if not xs:
+        return float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+def measure(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
+    url = f"http://127.0.0.1:{args.port}"
+    deploying = threading.Thread(
+        target=serve.run, args=(build_app(app_config(args, mode)),), kwargs={"name": "sweep", "route_prefix": "/"}
+    )
+    deploying.start()
+    _wait_ready(url, timeout_s=900)
+    deploying.join()
+    handle = serve.get_app_handle("sweep")
+    try:
+        asyncio.run(level(url, 2, 2, 8))  # warm-up: first forwards, kernel choice, connections
+        rows = []
+        for c in args.concurrency:
+            handle.stats.remote(reset=True).result()
+            row = asyncio.run(level(url, c, max(args.requests_per_client * c, args.min_requests), args.max_tokens))
+            stats = handle.stats.remote(reset=True).result()
+            row |= {"mode": mode, "verify_s": stats.get("verify_s", 0.0), "draft_s": stats.get("draft_s", 0.0)}
+            row |= {"step_s": stats.get("step_s", 0.0), "overhead_share": stats.get("overhead_share", 0.0)}
+            rows.append(row)
+            print(
+                f"{mode:>7} c={c:<3} {row['tokens_per_s']:7.2f} tok/s  L={row['acceptance_length']:.2f}  "
+                f"ttft p50 {row['ttft_p50']:.2f} s  itl p50 {1e3 * row['itl_p50']:.0f} ms",
+                flush=True,
+            )
+        return rows
+    finally:
+        serve.delete("sweep")
+
+
+def summarize(rows: list[dict[str, Any]]) -> None:
+    """Ratios to `off` at each concurrency, and at c = 1 the bound L*T/(V+D) and efficiency."""
+    off = {r["concurrency"]: r for r in rows if r["mode"] == "off"}
+    for r in rows:
+        base = off.get(r["concurrency"])
+        r["vs_off"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        r["bound"] = r["efficiency"] = float("nan")
+        if base and r["concurrency"] == 1 and r["verify_s"] + r["draft_s"] > 0:
+            r["bound"] = r["acceptance_length"] * base["verify_s"] / (r["verify_s"] + r["draft_s"])
+            r["efficiency"] = r["vs_off"] / r["bound"]
+
+
+def plot(rows: list[dict[str, Any]], stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+        cs = [r["concurrency"] for r in mine]
+        axes[0].plot(cs, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
+        axes[1].plot(cs, [r["ttft_p50"] for r in mine], marker="o", label=mode)
+        axes[2].plot(cs, [1e3 * r["itl_p50"] for r in mine], marker="o", label=mode)
+    titles = ("throughput (output tokens/s)", "time to first token p50 (s)", "inter-token latency p50 (ms)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+
+
+def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    summarize(rows)
+    columns = ["mode", "c", "tok/s", "vs off", "L", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms"]
+    columns += ["verify ms", "draft ms", "bound", "efficiency"]
+    table = [
+        [r["mode"], r["concurrency"], r["tokens_per_s"], r["vs_off"], r["acceptance_length"], r["ttft_p50"]]
+        + [r["ttft_p99"], 1e3 * r["itl_p50"], 1e3 * r["itl_p99"], 1e3 * r["verify_s"], 1e3 * r["draft_s"]]
+        + [r["bound"], r["efficiency"]]
+        for r in sorted(rows, key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["mode"])))
+    ]
+    intro = (
+        f"Target {args.target}, draft {args.draft}, {args.dtype}, {args.threads} torch threads per worker; "
+        f"{args.max_tokens} output tokens per request (ignore_eos), greedy, streamed over HTTP; "
+        f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level; "
+        "prompt mix: " + ", ".join(PROMPTS) + ".\n\n"
+        "vs off: throughput over speculation off at the same concurrency. L: output tokens per target "
+        "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
+        "L*T/(V+D) with T = off's verify compute per step, V, D = this mode's verify and draft compute "
+        "per step (inside the workers); efficiency = vs off / bound.\n\n"
+    )
+    data = {"config": vars(args), "rows": rows}
+    figure = f"\n\n![sweep]({args.name}.png)"
+    stem = report.write(args.name, data, intro + report.markdown_table(columns, table) + figure)
+    plot(rows, stem)
+    print(stem.with_suffix(".md").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen-1.5b")
+    parser.add_argument("--draft", default="qwen-0.5b")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each worker")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--modes", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-depth", type=int, default=4)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=5, help="at least one of each prompt kind")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--name", default="load_sweep")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite md/png from an earlier run's JSON")
+    args = parser.parse_args()
+    if args.render:
+        earlier = json.loads(Path(args.render).read_text())
+        write(argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"])
+        return
+    for model in (args.target, args.draft):
+        if model in REGISTRY:
+            fetch(model)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        rows = [row for mode in args.modes for row in measure(args, mode)]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    write(args, rows)
+
+
+if __name__ == "__main__":
+    main()
