@@ -51,14 +51,14 @@ def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def write(name: str, data: dict[str, Any], markdown: str) -> Path:
-    """bench/results/<name>.json and .md; returns the path stem for plots (<name>.png)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write(name: str, data: dict[str, Any], markdown: str, folder: Path = RESULTS) -> Path:
+    """<folder>/<name>.json and .md (bench/results/ by default); returns the path stem for plots (<name>.png)."""
+    folder.mkdir(parents=True, exist_ok=True)
     data = {"machine": machine(), **data}
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (folder / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     info = data["machine"]
     header = f"Machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}"
     header += f", GPU {info['gpu']}" if info["gpu"] else ", no GPU"
     header += f"; commit {info['commit']}.\n\n"
-    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{header}{markdown}\n")
-    return RESULTS / name
+    (folder / f"{name}.md").write_text(f"# {name}\n\n{header}{markdown}\n")
+    return folder / name
