@@ -81,10 +81,11 @@ class ModelRunner:
         self._require_no_speculation("remove_rows")
         gone = {self.row(s) for s in seq_ids}
         keep = [i for i in range(len(self.rows)) if i not in gone]
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = torch.tensor(keep, dtype=torch.long)  # bookkeeping stays on the CPU, KV on the model's device
         self.rows = [self.rows[i] for i in keep]
         self.lens = self.lens[index]
         self.cached = [self.cached[i] for i in keep]
+        index = index.to(self.device)
         for layer in self._layers():
             layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.spec = _Speculative.empty(len(self.rows))
