@@ -29,11 +29,13 @@ import yaml
 
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
+from tests.actors.conftest import shm_op_built  # noqa: F401 (a fixture)
 from tests.actors.serve_helpers import APP, WORKER_ENV, deploy_yaml, small_cpu_args, wait_until
 from tests.e2e.test_front_doors import GREEDY, free_port, reference
 from tests.front_router import MODEL_NAME, save_tiny_pair
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# tp_size 2 (cluster.yaml): DeepSpeed's CPU all-reduce op is compiled once before the cluster starts.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("shm_op_built")]
 PROMPT = [7, 8, 9, 10, 11, 7, 8]
 
 
