@@ -5,7 +5,7 @@ export SPECSERVE_MODELS ?= $(HOME)/.cache/specserve/models
 
 PROTO_STUBS := proto/specserve_pb2.py proto/specserve_pb2.pyi proto/specserve_pb2_grpc.py
 
-.PHONY: setup models test test-fast lint run bench proto
+.PHONY: setup models test test-fast lint run bench proto k8s
 
 setup:  ## install the package and its dev tools; torch pinned here so CPU machines take the CPU wheel
 	$(PIP) install -q "torch==2.13.0" -e ".[dev]"
@@ -15,6 +15,9 @@ proto: $(PROTO_STUBS)  ## generate the gRPC stubs of proto/specserve.proto (git-
 
 $(PROTO_STUBS) &: proto/specserve.proto
 	$(PYTHON) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/specserve.proto
+
+k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml (tests/unit/test_k8s.py checks they agree)
+	$(PYTHON) -m deploy.k8s render
 
 models: setup  ## fetch + convert the real models of shared/MODELS.md (skipped when present)
 	$(PYTHON) -m deploy.models fetch qwen-1.5b qwen-0.5b smollm2-135m

@@ -7,9 +7,9 @@ The same file runs on a laptop (`device: cpu`, fractional CPUs, no GPUs) and on 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, SpeculationLimits, TargetConfig
 from actors.scaling import BusyFractionPolicy
@@ -17,6 +17,21 @@ from deploy.frontdoor import FrontDoorConfig
 from speculative.drafters.config import DrafterConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+def _custom_only(resources: dict[str, float]) -> dict[str, float]:
+    taken = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(resources))
+    if taken:
+        raise ValueError(f"resources: {taken} are set by num_cpus / num_gpus, not as custom resources")
+    return resources
+
+
+# Custom resources a node declares (`ray start --resources`, KubeRay `rayStartParams.resources`).
+NodeResources = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, max_length=128)], Annotated[float, Field(gt=0, le=1e6)]],
+    AfterValidator(_custom_only),
+]
+AcceleratorType = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 class Autoscaling(BaseModel):
@@ -89,6 +104,14 @@ class DraftPoolConfig(BaseModel):
 
     num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per draft replica.")
     num_gpus: float = Field(default=0.0, ge=0, le=1, description="GPUs per draft replica (1 on GPU machines).")
+    resources: NodeResources = Field(
+        default_factory=dict,
+        description="Custom resources per draft replica: only nodes declaring them take draft replicas "
+        "(e.g. {draft_node: 0.01} with `ray start --resources '{\"draft_node\": 1}'` on draft nodes).",
+    )
+    accelerator_type: AcceleratorType | None = Field(
+        default=None, description="Only nodes with this accelerator (Ray's name, e.g. L4, A10G) take draft replicas."
+    )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this idle."
@@ -103,6 +126,14 @@ class TargetPoolConfig(BaseModel):
 
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per shard (per placement bundle).")
     shard_num_gpus: float = Field(default=0.0, ge=0, le=1, description="GPUs per shard (1 on GPU machines).")
+    resources: NodeResources = Field(
+        default_factory=dict,
+        description="Custom resources per shard (per placement bundle): only nodes declaring them take "
+        "target shards (e.g. {target_node: 0.01} with `ray start --resources '{\"target_node\": 1}'`).",
+    )
+    accelerator_type: AcceleratorType | None = Field(
+        default=None, description="Only nodes with this accelerator (Ray's name, e.g. A100, H100) take shards."
+    )
     replica_num_cpus: float = Field(
         default=0.1, ge=0, le=64, description="CPUs of the replica actor itself (it only relays)."
     )

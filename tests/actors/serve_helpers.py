@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import yaml
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -18,6 +19,24 @@ from deploy.config import AppConfig
 
 REPO = str(Path(__file__).resolve().parents[2])
 APP = "specserve"
+# Ray workers import the repo through PYTHONPATH (no working_dir upload).
+WORKER_ENV = {"PYTHONPATH": REPO, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` merged in, nested dicts key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deploy_yaml(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The Serve config `deploy/<name>` with `args` merged into its one application's args."""
+    config = yaml.safe_load((Path(REPO) / "deploy" / name).read_text())
+    (app,) = config["applications"]
+    app["args"] = merged(app["args"], args)
+    return config
 
 
 @contextmanager
@@ -26,7 +45,7 @@ def local_ray(**init: Any) -> Iterator[None]:
     ray.init(
         address="local",  # a fresh instance, even if a `ray start` cluster runs on this machine
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": REPO, "TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={"env_vars": WORKER_ENV},
         **init,
     )
     try:
@@ -62,3 +81,17 @@ def wait_until(predicate: Any, timeout_s: float, every_s: float = 0.5) -> bool:
 
 async def gather_generate(handle: DeploymentHandle, requests: list[tuple[list[int], dict[str, Any]]]) -> list[dict]:
     return list(await asyncio.gather(*[handle.generate.remote(p, sp) for p, sp in requests]))
+
+
+def small_cpu_args(target: Path, draft: Path, served_model_name: str) -> dict[str, Any]:
+    """Overrides that shrink a deploy/ YAML's application to tiny fp32 models and fractional CPUs."""
+    return {
+        "target_model": str(target),
+        "draft_model": str(draft),
+        "dtype": "float32",
+        "torch_threads": 1,
+        "front_door": {"served_model_name": served_model_name},
+        "draft_pool": {"num_cpus": 0.5},
+        "target_pool": {"shard_num_cpus": 0.5},
+        "router_pool": {"num_cpus": 0.25},
+    }

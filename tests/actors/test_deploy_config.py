@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.app import _bundles, app_builder
+from deploy.app import _bundles, _draft_actor_options, app_builder
 from deploy.config import AppConfig, Autoscaling
 
 YAMLS = sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml"))
@@ -37,6 +37,29 @@ def test_bundles_one_per_shard_replica_rides_in_the_first() -> None:
     assert _bundles(config) == [{"CPU": 2.5, "GPU": 1}, {"CPU": 2.0, "GPU": 1}]
 
 
+def test_pools_carry_their_node_type_resources() -> None:
+    config = AppConfig.model_validate(
+        {
+            "target_model": "t",
+            "draft_model": "d",
+            "tp_size": 2,
+            "draft_pool": {"num_cpus": 1, "num_gpus": 1, "resources": {"draft_node": 0.01}, "accelerator_type": "L4"},
+            "target_pool": {"shard_num_cpus": 2, "resources": {"target_node": 0.01}, "accelerator_type": "A100"},
+        }
+    )
+    assert _draft_actor_options(config) == {
+        "num_cpus": 1,
+        "num_gpus": 1,
+        "resources": {"draft_node": 0.01},
+        "accelerator_type": "L4",
+    }
+    marker = {"target_node": 0.01, "accelerator_type:A100": 0.001}
+    assert _bundles(config) == [{"CPU": 2.1, **marker}, {"CPU": 2.0, **marker}]
+    plain = AppConfig.model_validate({"target_model": "t", "draft_model": "d"})
+    assert _draft_actor_options(plain) == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert _bundles(plain) == [{"CPU": 1.1}]
+
+
 def test_autoscaling_options() -> None:
     assert Autoscaling(min_replicas=2, max_replicas=2).serve_options() == {"num_replicas": 2}
     busy = Autoscaling(max_replicas=3, target_busy=0.5).serve_options()["autoscaling_config"]
@@ -56,6 +79,9 @@ def test_autoscaling_options() -> None:
         ({"target_model": "t", "drafter": {"kind": "none"}, "draft_pool": {"autoscaling": {"min_replicas": 3}}}, "min"),
         ({"target_model": "t", "drafter": {"kind": "none"}, "dtype": "int8"}, "dtype"),
         ({"target_model": "t", "drafter": {"kind": "none"}, "unknown": 1}, "unknown"),
+        ({"target_model": "t", "drafter": {"kind": "none"}, "target_pool": {"resources": {"GPU": 1}}}, "resources"),
+        ({"target_model": "t", "drafter": {"kind": "none"}, "draft_pool": {"resources": {"x": -1}}}, "resources"),
+        ({"target_model": "t", "drafter": {"kind": "none"}, "draft_pool": {"accelerator_type": "A 100"}}, "accel"),
     ],
 )
 def test_bad_config_names_the_field(args: dict, field: str) -> None:

@@ -30,7 +30,7 @@ from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import local_ray
-from tests.front_router import MODEL_NAME, tiny_pair, tiny_tokenizer
+from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
@@ -45,15 +45,11 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("e2e")
-    target, draft = tiny_pair()
-    tokenizer = tiny_tokenizer()
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    draft.save_pretrained(root / "draft")
+    target, draft = save_tiny_pair(root)
     config = AppConfig.model_validate(
         {
-            "target_model": str(root / "target"),
-            "draft_model": str(root / "draft"),
+            "target_model": str(target),
+            "draft_model": str(draft),
             "dtype": "float32",
             "torch_threads": 1,
             "draft_pool": {"num_cpus": 0.5},
