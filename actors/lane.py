@@ -33,7 +33,7 @@ from actors.pools import Pool
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
-from speculative.load_control import StepCosts, choose_cap
+from speculative.load_control import StepCosts, plan_depths
 from speculative.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -174,19 +174,14 @@ class Lane:
         if g is None:
             return None
         lives = list(self.groups[g].values())
-        # Each sequence's own depth (acceptance; a step always adds one token), then the batch's cap.
-        wants = [max(min(x.seq.depth.next_depth(), x.seq.params.max_tokens - len(x.seq.output) - 1), 0) for x in lives]
-        cap = self.depth_cap(len(lives))
-        capped, load_cap = [True] * len(lives), cap
-        if self.ctx.config.limits.load_adaptive:
-            # Sampled drafts: depth would change a seeded request's tokens, so load does not set it.
-            capped = [x.seq.params.greedy or not self.ctx.config.drafts_sampled for x in lives]
-            overlapped = all(self.groups)  # the other group's verify runs beside this draft
-            acceptances = [x.seq.depth.acceptance for x in lives]
-            load_cap = choose_cap(wants, acceptances, self.ctx.costs, cap, overlapped, capped)
+        config = self.ctx.config
+        costs = self.ctx.costs if config.limits.load_adaptive else None
+        overlapped = all(self.groups)  # the other group's verify runs beside this draft
+        depths = plan_depths(
+            [x.seq for x in lives], costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled
+        )
         requests = [
-            DraftRequest(x.seq.seq_id, tuple(x.seq.tokens), min(want, load_cap if c else cap), x.seq.params)
-            for x, want, c in zip(lives, wants, capped, strict=True)
+            DraftRequest(x.seq.seq_id, tuple(x.seq.tokens), d, x.seq.params) for x, d in zip(lives, depths, strict=True)
         ]
         self.ctx.metrics.depth.set(sum(r.budget for r in requests) / max(len(requests), 1))
         proposals: list[WireProposal] | None = None

@@ -155,7 +155,8 @@ def measure(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
         rows = []
         for c in args.concurrency:
             handle.stats.remote(reset=True).result()
-            row = asyncio.run(level(url, c, max(args.requests_per_client * c, args.min_requests), args.max_tokens))
+            per_client = max(args.requests_per_client, -(-args.min_requests // c))  # every client sends as many
+            row = asyncio.run(level(url, c, per_client * c, args.max_tokens))
             stats = handle.stats.remote(reset=True).result()
             row |= {"mode": mode, "verify_s": stats.get("verify_s", 0.0), "draft_s": stats.get("draft_s", 0.0)}
             row |= {"step_s": stats.get("step_s", 0.0), "overhead_share": stats.get("overhead_share", 0.0)}

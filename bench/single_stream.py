@@ -25,6 +25,7 @@ from bench import report
 from deploy.local import LocalModels
 from speculative.adaptive import AdaptiveConfig
 from speculative.drafters.config import DrafterConfig
+from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
 
 PROMPTS = {
@@ -47,10 +48,13 @@ OURS = {
 }
 
 
-def run_ours(models: LocalModels, config: DrafterConfig, prompt: list[int], n: int, depth: int) -> dict[str, Any]:
-    """Greedy, stopping at the target's end-of-sequence tokens as HF generate does."""
+def run_ours(
+    models: LocalModels, config: DrafterConfig, prompt: list[int], n: int, depth: int, costs: StepCosts
+) -> dict[str, Any]:
+    """Greedy, stopping at the target's end-of-sequence tokens as HF generate does; depths capped by the
+    verify and draft costs measured so far in this run (`costs`, shared by a method's prompts)."""
     draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0
-    decoder = models.decoder(config, AdaptiveConfig(max_depth=depth, draft_cost=draft_cost))
+    decoder = models.decoder(config, AdaptiveConfig(max_depth=depth, draft_cost=draft_cost), costs)
     start = time.perf_counter()
     (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n))
     elapsed = time.perf_counter() - start
@@ -81,7 +85,8 @@ def bench_dtype(dtype: str, n: int, depth: int, target: str, draft: str) -> list
     prompts = {k: models.chat_prompt(v) for k, v in PROMPTS.items()}
 
     def ours(config: DrafterConfig) -> Callable[[list[int], int], dict[str, Any]]:
-        return lambda p, k: run_ours(models, config, p, k, depth)
+        costs = StepCosts()
+        return lambda p, k: run_ours(models, config, p, k, depth, costs)
 
     methods: dict[str, Callable[[list[int], int], dict[str, Any]]] = {
         "target": lambda p, k: run_hf(models, p, k, assisted=False),

@@ -220,5 +220,5 @@ class AppConfig(BaseModel):
         )
 
     def router(self) -> RouterConfig:
-        sampled = self.drafter.sampled and self.drafter.kind in ("model", "hybrid")
-        return self.router_pool.router.model_copy(update={"limits": self.speculation, "drafts_sampled": sampled})
+        update = {"limits": self.speculation, "drafts_sampled": self.drafter.drafts_sampled}
+        return self.router_pool.router.model_copy(update=update)

@@ -10,6 +10,7 @@ from deploy.models import resolve
 from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.load_control import StepCosts
 from speculative.loading import LoadedModel, load_model
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
@@ -29,8 +30,10 @@ class LocalModels:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.target.tokenizer
 
-    def decoder(self, drafter: DrafterConfig, adaptive: AdaptiveConfig) -> SpeculativeDecoder:
-        """A fresh decoder (empty caches) over the loaded weights."""
+    def decoder(
+        self, drafter: DrafterConfig, adaptive: AdaptiveConfig, costs: StepCosts | None = None
+    ) -> SpeculativeDecoder:
+        """A fresh decoder (empty caches) over the loaded weights; `costs` caps depths by measured costs."""
         target_runner = ModelRunner(self.target.model)
         draft_model = self.draft.model if self.draft is not None else None
         tokenizer = self.tokenizer
@@ -40,6 +43,8 @@ class LocalModels:
             adaptive,
             eos_ids=self.target.eos_ids,
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+            costs=costs,
+            drafts_sampled=drafter.drafts_sampled,
         )
 
     def chat_prompt(self, user: str) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
+from speculative.load_control import StepCosts, plan_depths
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
 from speculative.target import TargetVerifier, VerifyItem
@@ -96,7 +97,12 @@ class SpeculativeDecoder:
         adaptive: AdaptiveConfig,
         eos_ids: frozenset[int] = frozenset(),
         decode: Callable[[list[int]], str] | None = None,
+        costs: StepCosts | None = None,
+        drafts_sampled: bool = True,
     ) -> None:
+        """`costs`: measure verify and draft costs and cap depths by them (load_control.py); None: depth
+        by acceptance alone. `drafts_sampled`: the drafter samples drafts under sampling, so sampled
+        requests keep their acceptance-only depth (reproducible tokens)."""
         self.target = target
         self.drafter = drafter
         self.adaptive = adaptive if drafter is not None else adaptive.model_copy(update={"max_depth": 0})
@@ -107,6 +113,8 @@ class SpeculativeDecoder:
         self._ids = itertools.count()
         self.finished: list[Sequence] = []  # done since the last generate() began
         self.times = StepTimes()
+        self.costs = costs
+        self.drafts_sampled = drafts_sampled
 
     def add(self, prompt: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         if not prompt:
@@ -141,6 +149,8 @@ class SpeculativeDecoder:
         items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p) for s, p in zip(seqs, proposals, strict=True)]
         verdicts = self.target.verify(items)
         t2 = time.perf_counter()
+        if self.costs is not None:
+            self._observe(seqs, proposals, t1 - t0, t2 - t1)
         outputs = [
             self._commit(seq, prop, v.tokens, len(v.accepted))
             for seq, prop, v in zip(seqs, proposals, verdicts, strict=True)
@@ -154,14 +164,19 @@ class SpeculativeDecoder:
         return outputs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        requests = []
-        for seq in seqs:
-            room = seq.params.max_tokens - len(seq.output) - 1  # the step always adds one token
-            depth = min(seq.depth.next_depth(), room)
-            requests.append(DraftRequest(seq.seq_id, tuple(seq.tokens), max(depth, 0), seq.params))
+        depths = plan_depths(seqs, self.costs, self.adaptive.max_depth, drafts_sampled=self.drafts_sampled)
+        requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
         if self.drafter is None:
             return [empty_proposal(r) for r in requests]
         return self.drafter.propose(requests)
+
+    def _observe(self, seqs: list[Sequence], proposals: list[Proposal], draft_s: float, verify_s: float) -> None:
+        assert self.costs is not None
+        depth = max(max(p.tree.depths) for p in proposals)
+        if depth:
+            self.costs.observe_draft(len(seqs), depth, sum(p.tree.size for p in proposals), draft_s)
+        if all(s.stats.steps for s in seqs):  # no prompt prefill in this forward: a clean measurement
+            self.costs.observe_verify(sum(p.tree.size + 1 for p in proposals), verify_s)
 
     def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:
         new = seq.commit(prop.tree, tokens, n_accepted, self.eos_ids, self.decode)

@@ -31,9 +31,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from speculative.adaptive import expected_tokens
+
+if TYPE_CHECKING:
+    from speculative.decoder import Sequence
 
 
 @dataclass
@@ -132,3 +137,17 @@ def choose_cap(
         if max(w for w, c in zip(wants, capped, strict=True) if c) <= k:  # larger k changes nothing
             break
     return best
+
+
+def plan_depths(
+    seqs: Seq[Sequence], costs: StepCosts | None, cap: int, overlapped: bool = False, drafts_sampled: bool = True
+) -> list[int]:
+    """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
+    `costs` within the load cap too, except for sequences whose tokens depend on depth (sampled drafts)."""
+    # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
+    wants = [max(min(s.depth.next_depth(), s.params.max_tokens - len(s.output) - 1), 0) for s in seqs]
+    if costs is None:
+        return [min(w, cap) for w in wants]
+    capped = [s.params.greedy or not drafts_sampled for s in seqs]
+    load_cap = choose_cap(wants, [s.depth.acceptance for s in seqs], costs, cap, overlapped, capped)
+    return [min(w, load_cap if c else cap) for w, c in zip(wants, capped, strict=True)]

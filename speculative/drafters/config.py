@@ -36,6 +36,11 @@ class DrafterConfig(BaseModel):
     max_ngram: int = Field(3, ge=1, le=16, description="lookup: longest suffix n-gram matched.")
     min_ngram: int = Field(1, ge=1, le=16, description="lookup: shortest suffix n-gram matched.")
 
+    @property
+    def drafts_sampled(self) -> bool:
+        """Under sampling, drafts are drawn from q and verified by rejection: depth changes a seeded output."""
+        return self.sampled and self.kind in ("model", "hybrid")
+
 
 def build_drafter(config: DrafterConfig, draft_model: PreTrainedModel | None, target_vocab: int) -> Drafter | None:
     if config.kind == "none":

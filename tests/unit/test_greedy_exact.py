@@ -7,6 +7,7 @@ import pytest
 from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.load_control import StepCosts
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
@@ -37,12 +38,15 @@ def models(request):
     return target, draft, refs
 
 
-def decoder(target, draft, drafter: str, max_depth: int = 4, adaptive: bool = True) -> SpeculativeDecoder:
+def decoder(
+    target, draft, drafter: str, max_depth: int = 4, adaptive: bool = True, costs: StepCosts | None = None
+) -> SpeculativeDecoder:
     config = DRAFTERS[drafter]
     return SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
         build_drafter(config, draft, VOCAB),
         AdaptiveConfig(max_depth=max_depth, enabled=adaptive),
+        costs=costs,
     )
 
 
@@ -63,6 +67,16 @@ def test_mixed_batch_matches_generate(models, drafter):
     target, draft, refs = models
     outs = decoder(target, draft, drafter).generate(PROMPTS, GREEDY)
     assert [o.output for o in outs] == refs
+
+
+@pytest.mark.parametrize("drafter", ["chain", "tree", "hybrid"])
+def test_depths_capped_by_measured_costs_stay_exact(models, drafter):
+    """With measured-cost caps (load_control.py) depths follow timing; the tokens must not."""
+    target, draft, refs = models
+    costs = StepCosts()
+    outs = decoder(target, draft, drafter, costs=costs).generate(PROMPTS, GREEDY)
+    assert [o.output for o in outs] == refs
+    assert costs.verify.points and costs.draft_step.points  # it measured, so caps were in force
 
 
 @pytest.mark.parametrize("drafter", ["chain", "tree"])
