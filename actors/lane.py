@@ -194,9 +194,7 @@ class Lane:
                 )
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
-                nodes = sum(p.tree.size for p in proposals)
-                depth = max(r.budget for r in requests)
-                self.ctx.costs.observe_draft(len(requests), depth, nodes, drafted.work.seconds)
+                self.ctx.costs.observe_draft([p.tree for p in proposals], drafted.work.seconds)
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s

@@ -1,7 +1,8 @@
 """Load sweep: the running application over HTTP (OpenAI API), speculation on and off, c = 1..32.
 
-One run, same machine, same models. For each mode the application is deployed on embedded Ray
-with Serve's HTTP proxy, then driven by `c` closed-loop clients (each sends its next streamed chat
+One run, same machine, same models. Each mode is its own application on embedded Ray behind
+Serve's HTTP proxy (all deployed first, idle while another is measured); each concurrency level
+runs on every mode in turn, driven by `c` closed-loop clients (each sends its next streamed chat
 completion when the last one ends) over a fixed prompt mix (code, prose, list, chat, and code
 editing whose answer quotes the prompt):
 - off:    no drafter, the target alone behind the same router (plain continuous batching);
@@ -56,7 +57,10 @@ def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
             "dtype": args.dtype,
             "torch_threads": args.threads,
             "drafter": {"kind": DRAFTERS[mode]},
-            "speculation": {"adaptive": {"max_depth": args.max_depth}, "verify_token_budget": 256},
+            "speculation": {
+                "adaptive": {"max_depth": args.max_depth, "draft_cost": 0.0 if mode == "lookup" else 0.35},
+                "verify_token_budget": 256,
+            },
             "draft_pool": {"num_cpus": 1},
             "target_pool": {"shard_num_cpus": 1},
             "router_pool": {"num_cpus": 0.5, "router": {"pipelining": False, "max_lane_sequences": 64}},
@@ -141,23 +145,29 @@ def _pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-def measure(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
-    url = f"http://127.0.0.1:{args.port}"
-    deploying = threading.Thread(
-        target=serve.run, args=(build_app(app_config(args, mode)),), kwargs={"name": "sweep", "route_prefix": "/"}
-    )
-    deploying.start()
-    _wait_ready(url, timeout_s=900)
-    deploying.join()
-    handle = serve.get_app_handle("sweep")
-    try:
-        asyncio.run(level(url, 2, 2, 8))  # warm-up: first forwards, kernel choice, connections
-        rows = []
-        for c in args.concurrency:
-            handle.stats.remote(reset=True).result()
-            per_client = max(args.requests_per_client, -(-args.min_requests // c))  # every client sends as many
-            row = asyncio.run(level(url, c, per_client * c, args.max_tokens))
-            stats = handle.stats.remote(reset=True).result()
+def deploy(args: argparse.Namespace) -> None:
+    """Every mode as its own application (route prefix /<mode>), all loaded before any is measured."""
+    for mode in args.modes:
+        app = build_app(app_config(args, mode))
+        deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": mode, "route_prefix": f"/{mode}"})
+        deploying.start()
+        _wait_ready(f"http://127.0.0.1:{args.port}/{mode}", timeout_s=900)
+        deploying.join()
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each concurrency level on every mode in turn, so a disturbance of the machine hits them alike."""
+    handles = {mode: serve.get_app_handle(mode) for mode in args.modes}
+    urls = {mode: f"http://127.0.0.1:{args.port}/{mode}" for mode in args.modes}
+    for mode in args.modes:  # warm-up: first forwards, kernel choice, connections, cost measurements
+        asyncio.run(level(urls[mode], 2, 4, 16))
+    rows = []
+    for c in args.concurrency:
+        per_client = max(args.requests_per_client, -(-args.min_requests // c))  # every client sends as many
+        for mode in args.modes:
+            handles[mode].stats.remote(reset=True).result()
+            row = asyncio.run(level(urls[mode], c, per_client * c, args.max_tokens))
+            stats = handles[mode].stats.remote(reset=True).result()
             row |= {"mode": mode, "verify_s": stats.get("verify_s", 0.0), "draft_s": stats.get("draft_s", 0.0)}
             row |= {"step_s": stats.get("step_s", 0.0), "overhead_share": stats.get("overhead_share", 0.0)}
             rows.append(row)
@@ -166,9 +176,7 @@ def measure(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
                 f"ttft p50 {row['ttft_p50']:.2f} s  itl p50 {1e3 * row['itl_p50']:.0f} ms",
                 flush=True,
             )
-        return rows
-    finally:
-        serve.delete("sweep")
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> None:
@@ -256,10 +264,12 @@ def main() -> None:
     for model in (args.target, args.draft):
         if model in REGISTRY:
             fetch(model)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+    cpus = 3 * len(args.modes)  # logical: a draft replica, a target shard and a router per mode
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        rows = [row for mode in args.modes for row in measure(args, mode)]
+        deploy(args)
+        rows = measure(args)
     finally:
         serve.shutdown()
         ray.shutdown()

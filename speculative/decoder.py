@@ -172,9 +172,7 @@ class SpeculativeDecoder:
 
     def _observe(self, seqs: list[Sequence], proposals: list[Proposal], draft_s: float, verify_s: float) -> None:
         assert self.costs is not None
-        depth = max(max(p.tree.depths) for p in proposals)
-        if depth:
-            self.costs.observe_draft(len(seqs), depth, sum(p.tree.size for p in proposals), draft_s)
+        self.costs.observe_draft([p.tree for p in proposals], draft_s)
         if all(s.stats.steps for s in seqs):  # no prompt prefill in this forward: a clean measurement
             self.costs.observe_verify(sum(p.tree.size + 1 for p in proposals), verify_s)
 

@@ -1,24 +1,27 @@
-"""Speculation depth by load: the per-batch cap on draft tokens that maximises committed tokens/s.
+"""Speculation depth by load: per-sequence draft depths that maximise a batch's committed tokens/s.
 
 Per sequence, `adaptive.AdaptiveDepth` picks how deep to draft from acceptance alone. Per batch,
-the right depth also depends on what a verify forward costs at that size: on a CPU a forward of 8
+the right depths also depend on what a verify forward costs at that size: on a CPU a forward of 8
 tokens costs about one decode step but one of 64 costs twice that (MODELS.md); on a GPU it is flat
-until the batch turns compute-bound. So a lane measures its own calls and, before each draft, caps
-every sequence's depth at the k that maximises the batch's goodput
+until the batch turns compute-bound. So a lane measures its own calls and, before each draft,
+chooses depths d_i <= min(want_i, cap) maximising the round's goodput
 
-    goodput(k) = sum_i E(a_i, d_i(k)) / cost(k),    d_i(k) = min(want_i, k)
-    cost(k)    = V(sum_i (1 + w * d_i(k))) + D(n, max_i d_i(k))    (max(V, D) when overlapped)
+    goodput(d) = sum_i E(a_i, d_i) / cost(d)
+    cost(d)    = V(sum_i (1 + w * d_i)) + D(n, max_i d_i)    (max(V, D) when overlapped)
 
-where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, want_i its own
-depth, w the tree nodes drafted per unit of depth (1 for chains), V(x) the measured seconds of a
-verify forward over x tokens and D(n, k) of a k-deep draft round over n sequences. k = 0 is plain
-decoding (no draft call): chosen whenever the measurements say speculation does not pay, so under
-heavy load throughput with speculation on falls back to that with it off.
+where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, w the tree nodes
+drafted per unit of depth (1 for chains), V(x) the measured seconds of a verify forward over x
+tokens and D(n, k) of a k-deep draft round over n sequences. Going one level deeper in sequence i
+gains a_i^(d_i+1) tokens, so the best allocation of m draft tokens takes the m largest gains and
+only m is searched. All zero is plain decoding (no draft call): chosen whenever the measurements
+say speculation does not pay, so under heavy load throughput with speculation on falls back to
+that with it off, while a sequence that quotes its prompt keeps drafting when the others stop.
 
 V and D are learned online: decayed means per power-of-two bucket of tokens (verify) or of batch
-size (draft, per unit of depth), interpolated between buckets, extrapolated linearly above the
-largest one seen (pessimistic) and flat below the smallest. Before any measurement the cap is
-left as it was.
+size (draft, per unit of depth), interpolated between buckets, flat below the smallest, and above
+the largest along the last slope (flat from a single point: a size never tried is assumed to cost
+what the largest tried did, so it gets tried once and then priced by its own measurement). Before any measurement every
+sequence drafts min(want, cap).
 
 Depths change which tokens are drafted, never which are committed under greedy decoding or under
 target-sample matching (deterministic drafts: the committed token at each position is the keyed
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from speculative.adaptive import expected_tokens
+from speculative.tree import TokenTree
 
 if TYPE_CHECKING:
     from speculative.decoder import Sequence
@@ -71,8 +75,10 @@ class _Curve:
         pts = sorted((p.x, p.seconds) for p in self.points.values())
         if x <= pts[0][0]:
             return pts[0][1]
-        if x >= pts[-1][0]:
-            return pts[-1][1] * x / pts[-1][0]
+        if x >= pts[-1][0]:  # beyond what was seen: the last slope (never negative), flat from one point
+            (x0, s0), (x1, s1) = pts[-2] if len(pts) > 1 else pts[-1], pts[-1]
+            slope = max(s1 - s0, 0.0) / (x1 - x0) if x1 > x0 else 0.0
+            return s1 + slope * (x - x1)
         for (x0, s0), (x1, s1) in itertools.pairwise(pts):
             if x <= x1:
                 return s0 + (s1 - s0) * (x - x0) / (x1 - x0) if x1 > x0 else s1
@@ -96,47 +102,69 @@ class StepCosts:
         """A verify call whose forward carried `tokens` new tokens (roots + tree nodes) took `seconds`."""
         self.verify.observe(tokens, seconds)
 
-    def observe_draft(self, sequences: int, depth: int, nodes: int, seconds: float) -> None:
-        """A draft call over `sequences`, at most `depth` deep, `nodes` nodes in all, took `seconds`."""
-        if depth <= 0:
+    def observe_draft(self, trees: Seq[TokenTree], seconds: float) -> None:
+        """A draft call that proposed `trees` (one per sequence asked) took `seconds`."""
+        depths = [max(t.depths) for t in trees]
+        drafting = sum(1 for d in depths if d)
+        if not drafting:
             return
-        self.draft_step.observe(sequences, seconds / depth)
-        drafted_depth = max(nodes, 1) / max(sequences, 1) / depth
-        self.nodes_per_depth = self.memory * self.nodes_per_depth + (1 - self.memory) * max(drafted_depth, 1.0)
+        self.draft_step.observe(drafting, seconds / max(depths))
+        width = sum(t.size for t in trees) / sum(depths)  # nodes per unit of depth: 1 for chains
+        self.nodes_per_depth = self.memory * self.nodes_per_depth + (1 - self.memory) * max(width, 1.0)
 
 
-def choose_cap(
+def choose_depths(
     wants: list[int],  # [n] each sequence's own depth (acceptance, room left)
     acceptances: list[float],  # [n] each sequence's acceptance estimate
     costs: StepCosts,
-    max_cap: int,
+    cap: int,
     overlapped: bool = False,
-    capped: list[bool] | None = None,  # [n] False: the sequence drafts `want` whatever the cap (it costs all the same)
-) -> int:
-    """The depth cap in 0..max_cap with the most expected tokens per second; max_cap until measured."""
+    capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
+) -> list[int]:
+    """Per-sequence depths within min(want, cap) with the most expected tokens per second.
+
+    Drafting one level deeper in sequence i adds a_i^(d+1) expected tokens (the chance that every
+    token down to it is accepted) and `nodes_per_depth` tokens to the verify forward, so the best
+    allocation of m draft tokens takes the m largest such gains; m is chosen by the measured costs.
+    Before the costs are measured every sequence gets min(want, cap).
+    """
     n = len(wants)
     capped = capped or [True] * n
-    if not any(capped) or max_cap <= 0:
-        return max(max_cap, 0)
-    if not costs.verify.points:
-        return max_cap
-    best, best_rate = 0, -1.0
-    for k in range(max_cap + 1):
-        depths = [min(w, k) if c else w for w, c in zip(wants, capped, strict=True)]
-        deepest = max(depths)
-        verify = costs.verify(n + costs.nodes_per_depth * sum(depths))
-        step = costs.draft_step(n) if deepest else 0.0
-        if verify is None or step is None:  # never drafted yet: try the full depth once to learn D
-            return max_cap
-        draft = step * deepest
-        seconds = max(verify, draft) if overlapped else verify + draft
-        tokens = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
-        rate = tokens / max(seconds, 1e-9)
+    depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
+    gains = sorted(
+        (
+            (a**j, i)
+            for i, (w, a, c) in enumerate(zip(wants, acceptances, capped, strict=True))
+            if c
+            for j in range(1, min(w, cap) + 1)
+        ),
+        key=lambda g: -g[0],
+    )
+    if not gains:
+        return depths
+    if not costs.verify.points or costs.draft_step(n) is None:  # unmeasured: draft as deep as allowed once
+        return [min(w, cap) for w in wants]
+    tokens = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
+    best_m, best_rate = 0, _rate(tokens, depths, costs, overlapped)
+    for m, (gain, i) in enumerate(gains, start=1):
+        depths[i] += 1
+        tokens += gain
+        rate = _rate(tokens, depths, costs, overlapped)
         if rate > best_rate * (1 + 1e-6):
-            best, best_rate = k, rate
-        if max(w for w, c in zip(wants, capped, strict=True) if c) <= k:  # larger k changes nothing
-            break
-    return best
+            best_m, best_rate = m, rate
+    chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
+    for _, i in gains[:best_m]:
+        chosen[i] += 1
+    return chosen
+
+
+def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool) -> float:
+    """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
+    verify = costs.verify(len(depths) + costs.nodes_per_depth * sum(depths)) or 0.0
+    drafting = sum(1 for d in depths if d)  # the draft round runs over these sequences only
+    draft = (costs.draft_step(drafting) or 0.0) * max(depths) if drafting else 0.0
+    seconds = max(verify, draft) if overlapped else verify + draft
+    return tokens / max(seconds, 1e-9)
 
 
 def plan_depths(
@@ -149,5 +177,4 @@ def plan_depths(
     if costs is None:
         return [min(w, cap) for w in wants]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
-    load_cap = choose_cap(wants, [s.depth.acceptance for s in seqs], costs, cap, overlapped, capped)
-    return [min(w, load_cap if c else cap) for w, c in zip(wants, capped, strict=True)]
+    return choose_depths(wants, [s.depth.acceptance for s in seqs], costs, cap, overlapped, capped)

@@ -1,10 +1,11 @@
-"""The per-batch depth cap follows measured costs: deep when verify is flat, zero when it is linear."""
+"""Per-sequence depths follow measured costs: deep when verify is flat, zero when it is linear."""
 
 from __future__ import annotations
 
 import pytest
 
-from speculative.load_control import StepCosts, choose_cap
+from speculative.load_control import StepCosts, choose_depths
+from speculative.tree import TokenTree
 
 
 def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
@@ -12,7 +13,7 @@ def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
     for tokens, seconds in verify.items():
         c.observe_verify(tokens, seconds)
     for sequences, seconds in draft_step.items():
-        c.observe_draft(sequences, 1, sequences, seconds)
+        c.observe_draft([TokenTree.chain(0, [1])] * sequences, seconds)
     return c
 
 
@@ -20,45 +21,58 @@ def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
 CPU = {1: 0.19, 8: 0.21, 16: 0.28, 32: 0.39, 64: 0.78, 128: 1.56, 256: 3.12}
 
 
-def test_unmeasured_keeps_the_static_cap() -> None:
-    assert choose_cap([4, 4], [0.8, 0.8], StepCosts(), 4) == 4
-
-
-def test_no_draft_measurement_yet_tries_full_depth() -> None:
+def test_unmeasured_drafts_as_deep_as_allowed() -> None:
+    assert choose_depths([4, 2], [0.8, 0.8], StepCosts(), 3) == [3, 2]
     c = StepCosts()
-    c.observe_verify(1, 0.2)
-    assert choose_cap([4], [0.8], c, 4) == 4
+    c.observe_verify(1, 0.2)  # verify measured, draft not yet: try it once to learn D
+    assert choose_depths([4], [0.8], c, 4) == [4]
 
 
 def test_single_stream_with_cheap_draft_speculates_deep() -> None:
     c = costs(CPU, {1: 0.01})
-    assert choose_cap([6], [0.85], c, 6) >= 4
+    assert choose_depths([6], [0.85], c, 6)[0] >= 4
 
 
 def test_heavy_load_on_a_linear_verify_turns_speculation_off() -> None:
     c = costs(CPU, {32: 0.12})
-    assert choose_cap([4] * 32, [0.8] * 32, c, 4) == 0
+    assert choose_depths([4] * 32, [0.8] * 32, c, 4) == [0] * 32
 
 
 def test_low_acceptance_turns_speculation_off() -> None:
     c = costs(CPU, {1: 0.08})
-    assert choose_cap([4], [0.05], c, 4) == 0
+    assert choose_depths([4], [0.05], c, 4) == [0]
 
 
-def test_never_above_what_sequences_want_or_the_static_cap() -> None:
+def test_under_load_the_predictable_sequence_keeps_drafting() -> None:
+    """A sequence quoting its prompt (a = 0.95) drafts deep while its neighbours (a = 0.3) stop."""
+    c = costs(CPU, {16: 0.001})  # prompt lookup: drafting is nearly free
+    depths = choose_depths([4] * 16, [0.95] + [0.3] * 15, c, 4)
+    assert depths[0] >= 3 and depths[1:] == [0] * 15
+
+
+def test_never_above_what_sequences_want_or_the_cap() -> None:
     c = costs({1: 0.1, 64: 0.1}, {1: 0.0001})  # free verify and draft: as deep as allowed
-    assert choose_cap([2, 3], [0.99, 0.99], c, 8) == 3
-    assert choose_cap([8, 8], [0.99, 0.99], c, 5) == 5
+    assert choose_depths([2, 3], [0.99, 0.99], c, 8) == [2, 3]
+    assert choose_depths([8, 8], [0.99, 0.99], c, 5) == [5, 5]
+
+
+def test_uncapped_sequences_keep_their_depth() -> None:
+    """Sampled drafts: depth would change a seeded output, so load does not set it."""
+    c = costs(CPU, {32: 0.12})
+    depths = choose_depths([4] * 32, [0.8] * 32, c, 4, capped=[False] + [True] * 31)
+    assert depths[0] == 4
 
 
 def test_overlapped_draft_is_hidden_behind_verify() -> None:
     c = costs(CPU, {1: 0.05})  # a draft step a quarter of a verify: in sequence, deep drafts cost too much
-    assert choose_cap([4], [0.7], c, 4) == 2
-    assert choose_cap([4], [0.7], c, 4, overlapped=True) == 4
+    assert choose_depths([4], [0.7], c, 4) == [2]
+    assert choose_depths([4], [0.7], c, 4, overlapped=True) == [4]
 
 
 def test_curve_interpolates_and_extrapolates() -> None:
     c = costs({4: 1.0, 16: 2.0}, {})
     assert c.verify(2) == pytest.approx(1.0)  # flat below the smallest
     assert c.verify(10) == pytest.approx(1.5)  # linear between
-    assert c.verify(32) == pytest.approx(4.0)  # linear from the largest, through zero
+    assert c.verify(32) == pytest.approx(3.333, rel=1e-3)  # along the last slope
+    single = costs({8: 1.0}, {})
+    assert single.verify(64) == pytest.approx(1.0)  # one point: flat, so larger forwards get tried
