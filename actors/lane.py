@@ -176,7 +176,7 @@ class Lane:
         lives = list(self.groups[g].values())
         config = self.ctx.config
         costs = self.ctx.costs if config.limits.load_adaptive else None
-        overlapped = all(self.groups)  # the other group's verify runs beside this draft
+        overlapped = len(self.groups) > 1 and all(self.groups)  # the other group's verify runs beside this draft
         depths = plan_depths(
             [x.seq for x in lives], costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled
         )
@@ -217,8 +217,8 @@ class Lane:
             self._fail(g, "target pool unavailable")
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
-        if all(x.seq.stats.steps for x in lives):  # no prompt prefill in this forward: a clean measurement
-            self.ctx.costs.observe_verify(sum(item.proposal.tree.size + 1 for item in items), verified.work.seconds)
+        trees = [item.proposal.tree for item in items]
+        self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds)
         committed = 0
         for live, verdict in zip(lives, verified.verdicts, strict=True):
             committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))

@@ -39,6 +39,21 @@ def join_group(rank: int, world: int, address: str, port: int, device: str, exte
     import deepspeed  # imported here: it reads the environment above at import time
 
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False)
+    if device == "cpu":
+        _unlink_shm_names(address, port, rank)
+
+
+def _unlink_shm_names(address: str, port: int, rank: int) -> None:
+    """Remove this rank's name of DeepSpeed's shared-memory all-reduce segment once all ranks mapped it.
+
+    `init_distributed` maps every rank's segment (/dev/shm/deepspeed_allreduce_buffer_..._<address>_
+    <port>_<rank>, 64 MB) before it returns, so after a barrier the names are no longer needed. Left in
+    place they outlive their processes whenever a shard is killed (replica replaced, node lost, test
+    teardown) and pin their memory until reboot; unlinked, the kernel frees it with the last mapping.
+    """
+    dist.barrier()
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{address}_{port}_{rank}"):
+        path.unlink(missing_ok=True)
 
 
 def shard(model: PreTrainedModel, world: int) -> PreTrainedModel:

@@ -98,8 +98,14 @@ class StepCosts:
         self.verify = _Curve(self.memory)
         self.draft_step = _Curve(self.memory)
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        """A verify call whose forward carried `tokens` new tokens (roots + tree nodes) took `seconds`."""
+    def observe_verify(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
+        """A verify forward over `seqs` with these draft trees took `seconds`.
+
+        It carried each tree's root and nodes, and a sequence's whole prompt when it joined in this
+        step (prefill rides in the same forward): prefill rounds are measurements too, and under
+        load with requests arriving they are most rounds, and the only ones at large sizes.
+        """
+        tokens = sum(t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True))
         self.verify.observe(tokens, seconds)
 
     def observe_draft(self, trees: Seq[TokenTree], seconds: float) -> None:

@@ -8,6 +8,7 @@ the target shards use: a batch of two prompts of different lengths, then a draft
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,10 +58,13 @@ def test_sharded_logits_equal_unsharded(
     shm_op_built: None, tiny_pair: TinyPair, tiny_qwen: str, tiny_gpt2: str
 ) -> None:
     paths = [tiny_pair.target, tiny_qwen, tiny_gpt2]
+    port = _free_port()
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_shard_worker, args=(2, _free_port(), paths, out), nprocs=2, join=True)
+        mp.spawn(_shard_worker, args=(2, port, paths, out), nprocs=2, join=True)
         results = dict(out)
+    leftovers = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not leftovers, f"shared-memory segments outlived the TP group: {leftovers}"
     for path in paths:
         full = load_lm(ModelConfig(path=path, dtype="float32"))
         n_full = sum(p.numel() for p in full.parameters())

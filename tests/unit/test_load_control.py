@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
+from speculative.decoder import Sequence
 from speculative.load_control import StepCosts, choose_depths
+from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 
 
 def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
     c = StepCosts()
     for tokens, seconds in verify.items():
-        c.observe_verify(tokens, seconds)
+        c.verify.observe(tokens, seconds)
     for sequences, seconds in draft_step.items():
         c.observe_draft([TokenTree.chain(0, [1])] * sequences, seconds)
     return c
@@ -24,7 +27,7 @@ CPU = {1: 0.19, 8: 0.21, 16: 0.28, 32: 0.39, 64: 0.78, 128: 1.56, 256: 3.12}
 def test_unmeasured_drafts_as_deep_as_allowed() -> None:
     assert choose_depths([4, 2], [0.8, 0.8], StepCosts(), 3) == [3, 2]
     c = StepCosts()
-    c.observe_verify(1, 0.2)  # verify measured, draft not yet: try it once to learn D
+    c.verify.observe(1, 0.2)  # verify measured, draft not yet: try it once to learn D
     assert choose_depths([4], [0.8], c, 4) == [4]
 
 
@@ -76,3 +79,12 @@ def test_curve_interpolates_and_extrapolates() -> None:
     assert c.verify(32) == pytest.approx(3.333, rel=1e-3)  # along the last slope
     single = costs({8: 1.0}, {})
     assert single.verify(64) == pytest.approx(1.0)  # one point: flat, so larger forwards get tried
+
+
+def test_prefill_rounds_are_measured_by_their_prompt_tokens() -> None:
+    joining = Sequence("a", list(range(10)), SamplingParams(), AdaptiveDepth(AdaptiveConfig()))
+    running = Sequence("b", [1, 2], SamplingParams(), AdaptiveDepth(AdaptiveConfig()))
+    running.stats.steps = 1
+    c = StepCosts()
+    c.observe_verify([joining, running], [TokenTree.chain(9, []), TokenTree.chain(2, [3, 4, 5])], 0.5)
+    assert [(p.x, p.seconds) for p in c.verify.points.values()] == [(14, 0.5)]  # 10 prompt + root and 3 nodes
