@@ -194,7 +194,7 @@ class Lane:
                 )
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
-                self.ctx.costs.observe_draft([p.tree for p in proposals], drafted.work.seconds)
+                self.ctx.costs.observe_draft([x.seq for x in lives], [p.tree for p in proposals], drafted.work.seconds)
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s

@@ -172,7 +172,7 @@ class SpeculativeDecoder:
 
     def _observe(self, seqs: list[Sequence], proposals: list[Proposal], draft_s: float, verify_s: float) -> None:
         assert self.costs is not None
-        self.costs.observe_draft([p.tree for p in proposals], draft_s)
+        self.costs.observe_draft(seqs, [p.tree for p in proposals], draft_s)
         self.costs.observe_verify(seqs, [p.tree for p in proposals], verify_s)
 
     def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:

@@ -108,13 +108,17 @@ class StepCosts:
         tokens = sum(t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True))
         self.verify.observe(tokens, seconds)
 
-    def observe_draft(self, trees: Seq[TokenTree], seconds: float) -> None:
-        """A draft call that proposed `trees` (one per sequence asked) took `seconds`."""
+    def observe_draft(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
+        """A draft call that proposed `trees` for `seqs` took `seconds`.
+
+        Skipped when a sequence drafts for the first time: the draft model then prefills its whole
+        prompt, a one-off that would price every later round of drafting out.
+        """
         depths = [max(t.depths) for t in trees]
-        drafting = sum(1 for d in depths if d)
-        if not drafting:
+        drafting = [s for s, d in zip(seqs, depths, strict=True) if d]
+        if not drafting or any(s.stats.drafted == 0 for s in drafting):
             return
-        self.draft_step.observe(drafting, seconds / max(depths))
+        self.draft_step.observe(len(drafting), seconds / max(depths))
         width = sum(t.size for t in trees) / sum(depths)  # nodes per unit of depth: 1 for chains
         self.nodes_per_depth = self.memory * self.nodes_per_depth + (1 - self.memory) * max(width, 1.0)
 

@@ -16,7 +16,7 @@ def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
     for tokens, seconds in verify.items():
         c.verify.observe(tokens, seconds)
     for sequences, seconds in draft_step.items():
-        c.observe_draft([TokenTree.chain(0, [1])] * sequences, seconds)
+        c.draft_step.observe(sequences, seconds)
     return c
 
 
@@ -88,3 +88,14 @@ def test_prefill_rounds_are_measured_by_their_prompt_tokens() -> None:
     c = StepCosts()
     c.observe_verify([joining, running], [TokenTree.chain(9, []), TokenTree.chain(2, [3, 4, 5])], 0.5)
     assert [(p.x, p.seconds) for p in c.verify.points.values()] == [(14, 0.5)]  # 10 prompt + root and 3 nodes
+
+
+def test_first_draft_of_a_sequence_is_not_a_measurement() -> None:
+    """The draft model prefills a new sequence's prompt: a one-off, not the cost of drafting."""
+    seq = Sequence("a", list(range(100)), SamplingParams(), AdaptiveDepth(AdaptiveConfig()))
+    c = StepCosts()
+    c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 2.0)
+    assert not c.draft_step.points
+    seq.stats.drafted = 2
+    c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 0.2)
+    assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.1)]  # per unit of depth
