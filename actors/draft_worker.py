@@ -74,5 +74,19 @@ class DraftWorker:
         """Serve's custom-metrics hook (see actors/scaling.py)."""
         return {BUSY_METRIC: self._busy.take()}
 
-    def describe(self, lane: str | None = None) -> dict[str, Any]:
-        return {"role": "draft", "replica": self.tag, "groups": len(self._caches), "calls": self._calls, **where()}
+    async def describe(self, lane: str | None = None) -> dict[str, Any]:
+        """What this replica holds: lane groups and cached sequences (a cancelled or finished one is freed)."""
+        return await asyncio.to_thread(self._describe)
+
+    def _describe(self) -> dict[str, Any]:
+        with self._lock:  # not while a proposal is changing the caches
+            sequences = sum(d.cached_sequences() for d in self._caches.owners() if d is not None)
+            groups = len(self._caches)
+        return {
+            "role": "draft",
+            "replica": self.tag,
+            "groups": groups,
+            "sequences": sequences,
+            "calls": self._calls,
+            **where(),
+        }

@@ -185,8 +185,9 @@ class Lane:
         pool = self.ctx.draft
         if pool is not None and time.time() >= self._draft_off_until and any(r.budget for r in requests):
             try:
-                drafted: Drafted = await pool.call(
-                    "propose", self.key, self.cache_key(g), requests, self.release_draft[g]
+                drafted: Drafted = await asyncio.wait_for(
+                    pool.call("propose", self.key, self.cache_key(g), requests, self.release_draft[g]),
+                    self.ctx.config.draft_timeout_s,
                 )
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica

@@ -125,13 +125,16 @@ class TargetReplica:
         return info
 
     async def describe(self, lane: str | None = None) -> dict[str, Any]:
-        shards = await self.shards.call("describe")
+        """The replica and its shards; `sequences`: sequences whose KV rank 0 holds (all ranks hold the same)."""
+        async with self._lock:  # between verify calls: the caches are settled
+            shards = await self.shards.call("describe")
         return {
             "role": "target",
             "replica": self.tag,
             "tp_size": self.config.tp_size,
             "calls": self._calls,
             "disagreements": self._disagreements,
+            "sequences": shards[0]["sequences"],
             "shards": shards,
             **where(),
         }

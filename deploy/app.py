@@ -40,7 +40,7 @@ def build_app(config: AppConfig) -> Application:
         pool = config.draft_pool
         draft = serve.deployment(
             name="draft",
-            ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+            ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)},
             max_ongoing_requests=pool.max_ongoing_requests,
             request_router_config=_AFFINITY,
             logging_config=_QUIET,
@@ -53,6 +53,7 @@ def build_app(config: AppConfig) -> Application:
         placement_group_bundles=_bundles(config),
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=target_pool.max_ongoing_requests,
+        health_check_period_s=target_pool.health_check_period_s,
         request_router_config=_AFFINITY,
         logging_config=_QUIET,
         **target_pool.autoscaling.serve_options(),
@@ -76,7 +77,7 @@ def _bundles(config: AppConfig) -> list[dict[str, float]]:
     pool = config.target_pool
     bundles = []
     for rank in range(config.tp_size):
-        bundle = {"CPU": pool.shard_num_cpus + (pool.replica_num_cpus if rank == 0 else 0.0)}
+        bundle = {"CPU": pool.shard_num_cpus + (pool.replica_num_cpus if rank == 0 else 0.0), **pool.resources}
         if pool.shard_num_gpus:
             bundle["GPU"] = pool.shard_num_gpus
         bundles.append(bundle)

@@ -7,9 +7,9 @@ The same file runs on a laptop (`device: cpu`, fractional CPUs, no GPUs) and on 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, SpeculationLimits, TargetConfig
 from actors.scaling import BusyFractionPolicy
@@ -17,6 +17,24 @@ from deploy.frontdoor import FrontDoorConfig
 from speculative.drafters.config import DrafterConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+def _custom_only(resources: dict[str, float]) -> dict[str, float]:
+    reserved = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(resources))
+    if reserved:
+        raise ValueError(f"{reserved[0]} has its own field; `resources` names custom Ray resources only")
+    return resources
+
+
+# Custom Ray resources (`ray start --resources`, a KubeRay group's rayStartParams): how a pool is
+# pinned to the nodes that advertise them, e.g. {"draft_node": 1}.
+CustomResources = Annotated[
+    dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=128)],
+        Annotated[float, Field(gt=0, le=1_000_000)],
+    ],
+    AfterValidator(_custom_only),
+]
 
 
 class Autoscaling(BaseModel):
@@ -93,6 +111,12 @@ class DraftPoolConfig(BaseModel):
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this idle."
     )
+    resources: CustomResources = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Custom Ray resources each draft replica reserves, e.g. {draft_node: 1}: places the pool on "
+        "the nodes that advertise them.",
+    )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count.")
 
 
@@ -108,6 +132,19 @@ class TargetPoolConfig(BaseModel):
     )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
     idle_evict_s: float = Field(default=120.0, gt=0, le=86_400, description="Drop a lane group's KV after this idle.")
+    resources: CustomResources = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Custom Ray resources in each shard's placement bundle, e.g. {target_node: 1}: places the "
+        "pool on the nodes that advertise them.",
+    )
+    health_check_period_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="How often Serve asks a target replica whether its shards live; a replica that lost one "
+        "is replaced after the next check (Serve's default, 10 s, would stall its lanes that long).",
+    )
     torch_extensions_dir: str = Field(
         default="~/.cache/specserve/torch_extensions",
         description="Where DeepSpeed's CPU all-reduce op is compiled once.",

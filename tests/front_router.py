@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -159,3 +160,12 @@ class TinyIngress(OpenAIIngress, GrpcIngress, FrontRouter):
 def tiny_pair(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedModel]:
     target = tiny_model("llama", seed=seed)
     return target, noisy_copy(target, noise=0.2)
+
+
+def save_tiny_app(root: Path) -> tuple[Path, Path, PreTrainedModel]:
+    """The tiny pair as HF folders, the target's with the tokenizer (what build_app loads): target, draft, model."""
+    target, draft = tiny_pair()
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return root / "target", root / "draft", target
