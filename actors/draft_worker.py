@@ -53,9 +53,13 @@ class DraftWorker:
                     drafter = self._caches.get(cache_key)
                     if drafter is not None and release:
                         drafter.release(release)
-                    proposals = (
-                        drafter.propose(requests) if drafter is not None else [empty_proposal(r) for r in requests]
-                    )
+                    try:
+                        proposals = (
+                            drafter.propose(requests) if drafter is not None else [empty_proposal(r) for r in requests]
+                        )
+                    except Exception:
+                        self._caches.drop([cache_key])  # mid-speculation state: the next call re-prefills
+                        raise
                 self._calls += 1
             finally:
                 self._busy.stop()

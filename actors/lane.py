@@ -29,7 +29,7 @@ from typing import Any
 
 from actors.config import RouterConfig
 from actors.metrics import RouterMetrics
-from actors.pools import Pool
+from actors.pools import Pool, replica_lost
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
@@ -228,6 +228,8 @@ class Lane:
                 return verified
             except Exception as e:  # the replica was lost: retry; Serve routes to a live one, which re-prefills
                 logger.warning("lane %s: verify attempt %d failed: %r", self.key, attempt + 1, e)
+                if not replica_lost(e):
+                    break
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
         return None
 

@@ -102,6 +102,12 @@ class TargetReplica:
             self._waiting -= 1
         try:
             results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key))
+        except Exception as e:
+            if not isinstance(e, ray.exceptions.RayActorError):
+                # A forward that failed half-way leaves the group's caches mid-speculation: forget them on
+                # every rank, so the next call re-prefills instead of failing on that state forever.
+                await self._on_shards("drop", [cache_key])
+            raise
         finally:
             self._lock.release()
         verdicts, work = results[0]
