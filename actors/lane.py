@@ -21,6 +21,7 @@ lists carried by the next call of that group.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -121,7 +122,10 @@ class Lane:
         g = min(range(len(self.groups)), key=lambda i: (len(self.groups[i]), self.drafted[i]))
         self.groups[g][live.seq.seq_id] = live
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self.run())
+            # A fresh context: the lane serves many requests, so its calls must not inherit the request
+            # context of the one that opened it (Serve cancels a request's handle calls with it, which
+            # would kill the lane, and every sequence in it, when that one client disconnects).
+            self.task = asyncio.get_running_loop().create_task(self.run(), context=contextvars.Context())
 
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> None:

@@ -142,9 +142,11 @@ def test_grpc_overload_gets_resource_exhausted_with_retry_after(served: Served) 
     admitted = [(i, r) for i, r in results if not isinstance(r, grpc.aio.AioRpcError)]
     print(f"admitted {len(admitted)}, refused {len(refused)} (streams: {sum(i % 2 for i, _ in refused)})")
     assert len(admitted) >= MAX_ACTIVE and refused
-    for _, error in refused:
+    for i, error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
-        assert ("retry-after", str(RETRY_AFTER)) in tuple(error.trailing_metadata() or ()), error
+        assert f"retry after {RETRY_AFTER} s" in (error.details() or "")
+        if i % 2 == 0:  # unary; Serve's proxy drops a failed stream's trailers, so streams get the details only
+            assert ("retry-after", str(RETRY_AFTER)) in tuple(error.trailing_metadata() or ()), error
     for i, tokens in admitted:
         assert tokens == reference_greedy(served.target, prompt_of(i), 24)
 
@@ -201,4 +203,4 @@ def test_no_leaks_after_1000_short_requests(served: Served) -> None:
     growth = {k: (after.get(k, 0) - v) / 2**20 for k, v in before.items()}
     print(f"1000 requests in {elapsed:.1f}s; RSS growth (MiB) by process: {growth}")
     assert set(after) == set(before), "no replica died or was added"
-    assert all(g < 48 for g in growth.values()), growth
+    assert all(g < 16 for g in growth.values()), growth
