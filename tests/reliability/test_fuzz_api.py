@@ -31,6 +31,7 @@ from deploy.ingress import Ingress
 from deploy.openai_api import ChatCompletionRequest, CompletionRequest
 from tests.front_router import MODEL_NAME, save_tiny_app, serve_in_thread
 
+pytestmark = pytest.mark.slow  # ~40 s: hundreds of requests through the real router
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 
 

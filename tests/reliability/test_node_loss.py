@@ -58,9 +58,10 @@ def test_losing_a_target_node_mid_load_loses_no_request(
             "draft_model": tiny_pair.draft,
             "dtype": "float32",
             "torch_threads": 1,
-            "draft_pool": {"num_cpus": 0.5, "resources": {"draft_node": 1}},
+            # Each pool fills its node's one CPU, so the router (and nothing else) lands on the head.
+            "draft_pool": {"num_cpus": 1.0, "resources": {"draft_node": 1}},
             "target_pool": {
-                "shard_num_cpus": 0.4,
+                "shard_num_cpus": 0.9,
                 "resources": {"target_node": 1},
                 "autoscaling": {"min_replicas": 2, "max_replicas": 2},
             },
