@@ -131,7 +131,11 @@ class RouterConfig(BaseModel):
         default=256, ge=1, le=100_000, description="Admitted sequences per router replica; more are refused (overload)."
     )
     verify_retries: int = Field(
-        default=3, ge=0, le=100, description="A failed verify call (replica lost) is retried; the retry re-prefills."
+        default=12,
+        ge=0,
+        le=100,
+        description="A failed verify call (replica lost) is retried, backing off 0.5 s doubling to 5 s (12: ~48 s, "
+        "long enough for Serve to replace a lost replica); the retry re-prefills.",
     )
     draft_backoff_s: float = Field(
         default=2.0,
@@ -143,6 +147,13 @@ class RouterConfig(BaseModel):
         default=True,
         description="The draft pool samples drafts under sampling (rejection rule), so depth changes a seeded "
         "request's tokens: the load cap then spares sampled requests (set from the drafter config).",
+    )
+    draft_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="A draft call slower than this counts as failed: while a lost draft replica is replaced, "
+        "Serve holds calls until one is up, and the lane decodes on without them instead of waiting.",
     )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
     limits: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Speculation limits.")

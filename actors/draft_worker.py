@@ -53,9 +53,13 @@ class DraftWorker:
                     drafter = self._caches.get(cache_key)
                     if drafter is not None and release:
                         drafter.release(release)
-                    proposals = (
-                        drafter.propose(requests) if drafter is not None else [empty_proposal(r) for r in requests]
-                    )
+                    try:
+                        proposals = (
+                            drafter.propose(requests) if drafter is not None else [empty_proposal(r) for r in requests]
+                        )
+                    except Exception:
+                        self._caches.drop([cache_key])  # mid-speculation state: the next call re-prefills
+                        raise
                 self._calls += 1
             finally:
                 self._busy.stop()
@@ -74,5 +78,19 @@ class DraftWorker:
         """Serve's custom-metrics hook (see actors/scaling.py)."""
         return {BUSY_METRIC: self._busy.take()}
 
-    def describe(self, lane: str | None = None) -> dict[str, Any]:
-        return {"role": "draft", "replica": self.tag, "groups": len(self._caches), "calls": self._calls, **where()}
+    async def describe(self, lane: str | None = None) -> dict[str, Any]:
+        """What this replica holds: lane groups and cached sequences (a cancelled or finished one is freed)."""
+        return await asyncio.to_thread(self._describe)
+
+    def _describe(self) -> dict[str, Any]:
+        with self._lock:  # not while a proposal is changing the caches
+            sequences = sum(d.cached_sequences() for d in self._caches.owners() if d is not None)
+            groups = len(self._caches)
+        return {
+            "role": "draft",
+            "replica": self.tag,
+            "groups": groups,
+            "sequences": sequences,
+            "calls": self._calls,
+            **where(),
+        }

@@ -43,5 +43,9 @@ class GroupCaches(Generic[T]):
         now = self._clock()
         return [k for k, t in self._used.items() if now - t > self._idle_evict_s]
 
+    def owners(self) -> list[T]:
+        """Every group's cache owner (for accounting: what the worker holds)."""
+        return list(self._owners.values())
+
     def __len__(self) -> int:
         return len(self._owners)

@@ -21,6 +21,7 @@ lists carried by the next call of that group.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 
 from actors.config import RouterConfig
 from actors.metrics import RouterMetrics
-from actors.pools import Pool
+from actors.pools import Pool, replica_lost
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
@@ -123,7 +124,10 @@ class Lane:
         g = min(range(len(self.groups)), key=lambda i: (len(self.groups[i]), self.drafted[i]))
         self.groups[g][live.seq.seq_id] = live
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self.run())
+            # A fresh context: the lane serves many requests, so its calls must not inherit the request
+            # context of the one that opened it (Serve cancels a request's handle calls with it, which
+            # would kill the lane, and every sequence in it, when that one client disconnects).
+            self.task = asyncio.get_running_loop().create_task(self.run(), context=contextvars.Context())
 
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -189,8 +193,9 @@ class Lane:
         pool = self.ctx.draft
         if pool is not None and time.time() >= self._draft_off_until and any(r.budget for r in requests):
             try:
-                drafted: Drafted = await pool.call(
-                    "propose", self.key, self.cache_key(g), requests, self.release_draft[g]
+                drafted: Drafted = await asyncio.wait_for(
+                    pool.call("propose", self.key, self.cache_key(g), requests, self.release_draft[g]),
+                    self.ctx.config.draft_timeout_s,
                 )
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
@@ -234,6 +239,8 @@ class Lane:
                 return verified
             except Exception as e:  # the replica was lost: retry; Serve routes to a live one, which re-prefills
                 logger.warning("lane %s: verify attempt %d failed: %r", self.key, attempt + 1, e)
+                if not replica_lost(e):
+                    break
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
         return None
 

@@ -8,6 +8,19 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+
+class ReplicaLost(RuntimeError):
+    """An in-process pool's replica went away (tests); Serve pools raise Ray's own errors."""
+
+
+def replica_lost(error: BaseException) -> bool:
+    """True when a call failed because its replica went away or is full (retry: Serve routes to a live one),
+    False when the replica refused the call itself (an error its input causes: retrying cannot help)."""
+    return isinstance(error, RayActorError | BackPressureError | DeploymentUnavailableError | ReplicaLost)
+
 
 class Pool(Protocol):
     async def call(self, method: str, lane: str | None, *args: Any) -> Any: ...

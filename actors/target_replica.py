@@ -102,6 +102,12 @@ class TargetReplica:
             self._waiting -= 1
         try:
             results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key))
+        except Exception as e:
+            if not isinstance(e, ray.exceptions.RayActorError):
+                # A forward that failed half-way leaves the group's caches mid-speculation: forget them on
+                # every rank, so the next call re-prefills instead of failing on that state forever.
+                await self._on_shards("drop", [cache_key])
+            raise
         finally:
             self._lock.release()
         verdicts, work = results[0]
@@ -125,13 +131,16 @@ class TargetReplica:
         return info
 
     async def describe(self, lane: str | None = None) -> dict[str, Any]:
-        shards = await self.shards.call("describe")
+        """The replica and its shards; `sequences`: sequences whose KV rank 0 holds (all ranks hold the same)."""
+        async with self._lock:  # between verify calls: the caches are settled
+            shards = await self.shards.call("describe")
         return {
             "role": "target",
             "replica": self.tag,
             "tp_size": self.config.tp_size,
             "calls": self._calls,
             "disagreements": self._disagreements,
+            "sequences": shards[0]["sequences"],
             "shards": shards,
             **where(),
         }

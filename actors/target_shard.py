@@ -83,5 +83,6 @@ class TargetShard:
         return self._info
 
     def describe(self) -> dict[str, Any]:
-        groups = 0 if self._verifiers is None else len(self._verifiers)
-        return {"role": "target_shard", "rank": self.rank, "groups": groups, **where()}
+        owners = [] if self._verifiers is None else self._verifiers.owners()
+        sequences = sum(v.cached_sequences() for v in owners)
+        return {"role": "target_shard", "rank": self.rank, "groups": len(owners), "sequences": sequences, **where()}

@@ -51,6 +51,9 @@ class OracleDrafter:
         for seq_id in seq_ids:
             self._assigned.pop(seq_id, None)
 
+    def cached_sequences(self) -> int:
+        return len(self._assigned)
+
     def _propose_one(self, req: DraftRequest) -> Proposal:
         index = self._reference(req)
         if req.budget <= 0 or index is None:

@@ -58,6 +58,7 @@ def build_app(config: AppConfig) -> Application:
         placement_group_bundles=_bundles(config),
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=target_pool.max_ongoing_requests,
+        health_check_period_s=target_pool.health_check_period_s,
         request_router_config=_AFFINITY,
         logging_config=_QUIET,
         **target_pool.autoscaling.serve_options(),

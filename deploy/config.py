@@ -139,6 +139,13 @@ class TargetPoolConfig(BaseModel):
     )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
     idle_evict_s: float = Field(default=120.0, gt=0, le=86_400, description="Drop a lane group's KV after this idle.")
+    health_check_period_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="How often Serve asks a target replica whether its shards live; a replica that lost one "
+        "is replaced after the next check (Serve's default, 10 s, would stall its lanes that long).",
+    )
     torch_extensions_dir: str = Field(
         default="~/.cache/specserve/torch_extensions",
         description="Where DeepSpeed's CPU all-reduce op is compiled once.",

@@ -10,6 +10,7 @@ the wiring). Errors are status codes with details naming the field:
     NOT_FOUND           an unknown `model`
     UNAUTHENTICATED     an API key is configured and `authorization: Bearer <key>` is missing/wrong
     RESOURCE_EXHAUSTED  the router is full (actors.router.Overloaded); trailing `retry-after` seconds
+                        (and "retry after N s" in the details, which survive Serve's proxy on streams)
 
 `PlainServicer` hosts the same methods on a plain `grpc.aio` server (tests; a process without
 Serve), applying the status the way Serve's proxy does.
@@ -193,10 +194,13 @@ def to_generation(request: pb.GenerateRequest, front: FrontDoor, seed: int) -> t
 def _refusal(e: Exception, front: FrontDoor, request: pb.GenerateRequest) -> GrpcStatus | None:
     """The router's refusals (overload, bad input) as statuses; None for any other error."""
     if isinstance(e, Overloaded):
+        # The hint is in the details too: Serve's proxy drops the trailing metadata of a stream that
+        # fails before its first message.
+        retry = front.config.retry_after_s
         return GrpcStatus(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"the server is at capacity ({e}); retry later",
-            [("retry-after", str(front.config.retry_after_s))],
+            f"the server is at capacity ({e}); retry after {retry} s",
+            [("retry-after", str(retry))],
         )
     error = client_error(e, request.WhichOneof("prompt") or "prompt", "sampling.")
     return GrpcStatus(grpc.StatusCode.INVALID_ARGUMENT, error.message) if error is not None else None

@@ -106,15 +106,40 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
         card = ModelCard(id=front.model_name, created=0, max_model_len=front.context_window)
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorize)], openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _serve(backend, front, parse_request(CompletionRequest, await request.body()))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _serve(backend, front, parse_request(ChatCompletionRequest, await request.body()))
 
+    _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
     return app
+
+
+def _body(model: type[OpenAIRequest]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its raw body itself (parse_request names the field)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, models: tuple[type[OpenAIRequest], ...]) -> None:
+    """Add the request models (and the models they nest) to the OpenAPI document's components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _serve(backend: Backend, front: FrontDoor, request: OpenAIRequest) -> Response:

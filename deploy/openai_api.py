@@ -77,7 +77,7 @@ class _SamplingFields(BaseModel):
     user: str | None = Field(default=None, max_length=512, description="End-user id; accepted, unused.")
     # extensions (vLLM's names)
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="Keep the k most likely; -1/0: all.")
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, description="HF/CTRL penalty; 1: off.")
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0, description="HF/CTRL penalty; 1: off.")
     ignore_eos: bool | None = Field(default=None, description="Generate past end-of-sequence tokens.")
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64, description="Extra stop tokens.")
     return_token_ids: bool | None = Field(default=None, description="Add `token_ids` to each choice.")

@@ -24,7 +24,11 @@ class SamplingParams(BaseModel):
         1.0, gt=0.0, le=1.0, description="Keep the smallest set of most likely tokens with mass >= top_p."
     )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=10.0, description="HF/CTRL penalty on tokens already in prompt or output; 1 = off."
+        1.0,
+        ge=0.01,
+        le=10.0,
+        description="HF/CTRL penalty on tokens already in prompt or output; 1 = off. At least 0.01: dividing "
+        "logits by less overflows them.",
     )
     max_tokens: int = Field(16, ge=1, le=1_000_000, description="Most new tokens to generate.")
     stop_token_ids: tuple[int, ...] = Field((), description="Extra token ids that end the sequence.")
@@ -69,7 +73,8 @@ def probs_from_logits(
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = logits - logits.max(-1, keepdim=True).values  # softmax is shift-invariant; a tiny T cannot overflow
+    logits = logits / max(params.temperature, torch.finfo(logits.dtype).tiny)  # T below float32's least: not 0/0
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
@@ -78,7 +83,8 @@ def probs_from_logits(
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
         sorted_probs = sorted_logits.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, V] mass of strictly better tokens
-        drop_sorted = mass_before >= params.top_p  # the first token is always kept
+        drop_sorted = mass_before >= params.top_p  # [N, V]
+        drop_sorted[..., 0] = False  # the most likely token is always kept (a top_p below float32's least does too)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -73,3 +73,7 @@ class TargetVerifier:
         known = [s for s in seq_ids if s in self.runner.rows]
         if known:
             self.runner.remove_rows(known)
+
+    def cached_sequences(self) -> int:
+        """Sequences whose KV this verifier holds (rows of its runner)."""
+        return len(self.runner.rows)

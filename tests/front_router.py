@@ -9,10 +9,15 @@ tokenizer trained on a few sentences, with a chat template, sized to the tiny mo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -162,10 +167,31 @@ def tiny_pair(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedModel]:
     return target, noisy_copy(target, noise=0.2)
 
 
-def save_tiny_pair(root: Path) -> tuple[Path, Path]:
-    """`tiny_pair()` as HF folders `root/target` (with `tiny_tokenizer()`) and `root/draft`, as configs name models."""
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """An ASGI app on a real socket (uvicorn, one event loop in a thread); yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def save_tiny_pair(root: Path) -> tuple[Path, Path, PreTrainedModel]:
+    """`tiny_pair()` as HF folders `root/target` (with `tiny_tokenizer()`) and `root/draft`, as configs name
+    models; also the target model itself (for reference outputs)."""
     target, draft = tiny_pair()
     target.save_pretrained(root / "target")
     tiny_tokenizer().save_pretrained(root / "target")
     draft.save_pretrained(root / "draft")
-    return root / "target", root / "draft"
+    return root / "target", root / "draft", target

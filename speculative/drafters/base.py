@@ -48,6 +48,10 @@ class Drafter(Protocol):
         """Free everything held for these sequences (unknown ids are ignored)."""
         ...
 
+    def cached_sequences(self) -> int:
+        """How many sequences this drafter holds state for (what `release` frees)."""
+        ...
+
 
 def empty_proposal(request: DraftRequest) -> Proposal:
     return Proposal(TokenTree.chain(request.tokens[-1], []))

@@ -31,3 +31,6 @@ class HybridDrafter:
     def release(self, seq_ids: list[str]) -> None:
         self.lookup.release(seq_ids)
         self.model.release(seq_ids)
+
+    def cached_sequences(self) -> int:
+        return self.lookup.cached_sequences() + self.model.cached_sequences()

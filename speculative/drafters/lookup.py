@@ -46,3 +46,6 @@ class PromptLookupDrafter:
 
     def release(self, seq_ids: list[str]) -> None:
         return None
+
+    def cached_sequences(self) -> int:
+        return 0  # stateless: every proposal reads the request's tokens

@@ -55,6 +55,9 @@ class DraftModelDrafter:
         if known:
             self.runner.remove_rows(known)
 
+    def cached_sequences(self) -> int:
+        return len(self.runner.rows)
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         active = [r for r in requests if r.budget > 0]
         if not active:

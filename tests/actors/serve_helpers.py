@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +63,12 @@ def deployed(config: AppConfig) -> Iterator[DeploymentHandle]:
         yield handle
     finally:
         serve.delete(APP)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def replicas(deployment: str, states: tuple[str, ...] = ("RUNNING", "STARTING")) -> int:

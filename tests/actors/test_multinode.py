@@ -47,7 +47,7 @@ def cluster(shm_op_built: None) -> Iterator[dict[str, str]]:
 
 
 def test_cluster_yaml_places_each_pool_on_its_node_type(cluster: dict[str, str], tmp_path: Path) -> None:
-    target, draft = save_tiny_pair(tmp_path)
+    target, draft, _ = save_tiny_pair(tmp_path)
     config = deploy_yaml("cluster.yaml", small_cpu_args(target, draft, MODEL_NAME))
     (app,) = config["applications"]
     handle = serve.run(app_builder(app["args"]), name=APP, route_prefix=None)

@@ -9,12 +9,14 @@ import pytest
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
 from actors.lane import StepRecord
-from actors.pools import LocalPool
+from actors.pools import LocalPool, ReplicaLost
 from actors.router import Overloaded, Router
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
-from actors.wire import Work
+from actors.wire import WireProposal, WireVerifyItem, Work
 from speculative.drafters.config import DrafterConfig
+from speculative.sampling import SamplingParams
+from speculative.tree import TokenTree
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
 
 
@@ -165,7 +167,7 @@ class Flaky:
             if self.calls in self.fail_calls:
                 if callable(self.on_fail):
                     self.on_fail()
-                raise RuntimeError("replica lost")
+                raise ReplicaLost("replica lost")
         return await self.inner.call(method, lane, *args)
 
 
@@ -194,3 +196,23 @@ def test_target_restart_mid_request_reprefills(tiny_pair: TinyPair) -> None:
     for (prompt, max_new), result in zip(requests, results, strict=True):
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
     assert router._target.calls > 7  # type: ignore[attr-defined]
+
+
+def test_a_verify_that_fails_mid_forward_does_not_poison_the_group(tiny_pair: TinyPair) -> None:
+    """Sampling fails after the forward (no probability mass): the replica forgets the group's caches,
+    so the next call on that group re-prefills instead of failing on half-speculated state forever."""
+    config = TargetConfig(model=fp32(tiny_pair.target))
+    target = TargetReplica(config, shards=LocalShards([TargetShard(config, 0)]))
+    prompt = (5, 6, 7, 8)
+    bad = SamplingParams.model_construct(**(SamplingParams().model_dump() | {"repetition_penalty": 1e-300}))
+    chain = WireProposal(TokenTree.chain(prompt[-1], [9, 10]), None)
+
+    async def scenario() -> list[int]:
+        with pytest.raises(ValueError, match="no mass"):
+            await target.verify("g", [WireVerifyItem("s1", prompt, bad, chain)], [])
+        good = SamplingParams(temperature=0.0)
+        verified = await target.verify("g", [WireVerifyItem("s2", prompt, good, chain)], [])
+        return list(verified.verdicts[0].tokens)
+
+    tokens = asyncio.run(scenario())
+    assert tokens[-1] == hf_greedy(tiny_pair.target, list(prompt) + tokens[:-1], 1)[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -29,23 +28,17 @@ from deploy.config import AppConfig
 from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from tests.actors.serve_helpers import local_ray
+from tests.actors.serve_helpers import free_port, local_ray
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("e2e")
-    target, draft = save_tiny_pair(root)
+    target, draft, _ = save_tiny_pair(root)
     config = AppConfig.model_validate(
         {
             "target_model": str(target),

@@ -124,7 +124,7 @@ def app_status(head: Head) -> str:
 
 def test_serve_deploy_runs_and_answers_over_http_and_grpc(head: Head, tmp_path: Path) -> None:
     assert head.dashboard_status(token=None) == 401, "token authentication must be on"
-    target, draft = save_tiny_pair(tmp_path)
+    target, draft, _ = save_tiny_pair(tmp_path)
     config: dict[str, Any] = deploy_yaml("cluster.yaml", small_cpu_args(target, draft, MODEL_NAME))
     config["http_options"] = {"host": "127.0.0.1", "port": head.ports["http"]}
     config["grpc_options"]["port"] = head.ports["grpc"]

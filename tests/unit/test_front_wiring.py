@@ -24,7 +24,7 @@ from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from deploy.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
-from tests.front_router import MODEL_NAME, tiny_pair, tiny_tokenizer
+from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
 
 FRONT = FrontDoorConfig(served_model_name=MODEL_NAME)
@@ -32,12 +32,7 @@ FRONT = FrontDoorConfig(served_model_name=MODEL_NAME)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    root = tmp_path_factory.mktemp("front")
-    target, draft = tiny_pair()
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    draft.save_pretrained(root / "draft")
-    return root / "target", root / "draft", target
+    return save_tiny_pair(tmp_path_factory.mktemp("front"))
 
 
 @pytest.fixture(scope="module")

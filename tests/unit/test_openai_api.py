@@ -11,20 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
 from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 
 from deploy.frontdoor import Detokenizer
-from tests.front_router import MODEL_NAME, TinyIngress, front_door, tiny_pair, tiny_tokenizer
+from tests.front_router import MODEL_NAME, TinyIngress, front_door, serve_in_thread, tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
 
 KEY = "sk-test-key"
@@ -236,22 +233,8 @@ def test_models_and_health(client: TestClient) -> None:
 # ---- the official openai client over a real socket ------------------------------------------------
 @pytest.fixture(scope="module")
 def server(ingress: TinyIngress) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(ingress.__serve_build_asgi_app__(), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_thread(ingress.__serve_build_asgi_app__()) as url:
+        yield url + "/v1"
 
 
 def test_openai_client(server: str, ingress: TinyIngress) -> None:
