@@ -72,22 +72,25 @@ def test_losing_a_target_node_mid_load_loses_no_request(
     placed = describe("draft")["node_id"]
     assert placed == draft_node.node_id, "the draft pool runs on the node that advertises draft_node"
 
-    requests = [(p, max(m, 30)) for p, m in prompts_and_lengths(8, seed=3)]  # mid-decode when the node goes
+    requests = [(p, max(m, 40)) for p, m in prompts_and_lengths(8, seed=3)]  # mid-decode when the node goes
 
     async def load_then_lose_a_node() -> list[list[int]]:
-        started = asyncio.Event()
+        started = asyncio.Event()  # every stream has its first tokens: every lane ran on its replica
+        first: set[int] = set()
 
-        async def one(prompt: list[int], max_new: int) -> list[int]:
+        async def one(index: int, prompt: list[int], max_new: int) -> list[int]:
             tokens: list[int] = []
             gen = handle.options(stream=True).generate_stream.remote(
                 prompt, {"temperature": 0.0, "max_tokens": max_new}
             )
             async for chunk in gen:  # type: ignore[union-attr]
                 tokens += chunk["token_ids"]
-                started.set()
+                first.add(index)
+                if len(first) == len(requests):
+                    started.set()
             return tokens
 
-        streams = [asyncio.ensure_future(one(p, m)) for p, m in requests]
+        streams = [asyncio.ensure_future(one(i, p, m)) for i, (p, m) in enumerate(requests)]
         await asyncio.wait_for(started.wait(), 120)
         # Every process of that node dies: one target replica and its shard.
         await asyncio.to_thread(ray_cluster.remove_node, target_nodes[0])
