@@ -1,9 +1,9 @@
 """Each pool scales on its own busy time (actors/scaling.py), not on the other pool's load.
 
 Draft-bound: a draft model much heavier than the target, drafting 6 tokens every step (adaptive
-depth off): Serve adds a draft replica and no target replica. Target-bound: a heavy target with
-prompt-lookup drafts (almost free): Serve adds a target replica and no draft replica. Both pools
-run the same autoscaling settings; only where the work is differs.
+depth and the load control off): Serve adds a draft replica and no target replica. Target-bound: a
+heavy target with prompt-lookup drafts (almost free): Serve adds a target replica and no draft
+replica. Both pools run the same autoscaling settings; only where the work is differs.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def app(target: str, draft: str | None, drafter: str) -> AppConfig:
                 "adaptive": {"enabled": False, "max_depth": 6},
                 "verify_token_budget": 1024,
                 "shrink_when_queued": False,
+                "load_adaptive": False,  # else the router stops drafting with a draft this heavy
             },
             "draft_pool": {"num_cpus": 0.5, "autoscaling": SCALING},
             "target_pool": {"shard_num_cpus": 0.5, "autoscaling": SCALING},
