@@ -45,6 +45,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             "draft_model": str(draft),
             "dtype": "float32",
             "torch_threads": 1,
+            # The tiny draft costs as much as the tiny target, so the load control would (rightly)
+            # stop drafting, and the speculative metrics below would stay at zero.
+            "speculation": {"load_adaptive": False},
             "draft_pool": {"num_cpus": 0.5},
             "target_pool": {"shard_num_cpus": 0.5},
             "router_pool": {"num_cpus": 0.25},

@@ -36,6 +36,9 @@ def app(tiny_pair: TinyPair) -> Iterator[DeploymentHandle]:
             "draft_model": tiny_pair.draft,
             "dtype": "float32",
             "torch_threads": 1,
+            # The tiny draft costs as much as the tiny target: the load control would stop drafting,
+            # and whether speculation resumes after the fault could not be seen.
+            "speculation": {"load_adaptive": False},
             "draft_pool": {"num_cpus": 0.5},
             "target_pool": {"shard_num_cpus": 0.5, "health_check_period_s": 1.0},
             "router_pool": {"num_cpus": 0.25, "router": {"draft_backoff_s": 0.5, "draft_timeout_s": 0.5}},
