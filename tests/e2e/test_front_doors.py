@@ -28,7 +28,7 @@ from deploy.config import AppConfig
 from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from tests.actors.serve_helpers import free_port, local_ray
+from tests.actors.serve_helpers import free_port, local_ray, merged, small_cpu_args
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -39,21 +39,10 @@ MAX_NEW = 12
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("e2e")
     target, draft, _ = save_tiny_pair(root)
-    config = AppConfig.model_validate(
-        {
-            "target_model": str(target),
-            "draft_model": str(draft),
-            "dtype": "float32",
-            "torch_threads": 1,
-            # The tiny draft costs as much as the tiny target, so the load control would (rightly)
-            # stop drafting, and the speculative metrics below would stay at zero.
-            "speculation": {"load_adaptive": False},
-            "draft_pool": {"num_cpus": 0.5},
-            "target_pool": {"shard_num_cpus": 0.5},
-            "router_pool": {"num_cpus": 0.25},
-            "front_door": {"served_model_name": MODEL_NAME},
-        }
-    )
+    # The tiny draft costs as much as the tiny target, so the load control would (rightly) stop
+    # drafting, and the speculative metrics below would stay at zero.
+    args = merged(small_cpu_args(target, draft, MODEL_NAME), {"speculation": {"load_adaptive": False}})
+    config = AppConfig.model_validate(args)
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     with local_ray(num_cpus=4, _metrics_export_port=metrics_port):
         serve.start(
