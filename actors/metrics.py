@@ -5,7 +5,10 @@ Names are permanent (dashboards depend on them):
 - specserve_accepted_tokens_total{position}: draft tokens the target accepted, by depth;
 - specserve_generated_tokens_total: tokens sent to clients;
 - specserve_requests_total{finish_reason}: finished requests (stop, length, cancelled, error);
-- specserve_acceptance_length: histogram per request of tokens committed per target step;
+- specserve_acceptance_length: histogram per request of tokens committed per target step (>= 1);
+  Ray exports a histogram's _sum from bucket midpoints, not the observed values, so the buckets
+  are narrow and start with (0.99, 1] (plain decoding, midpoint 0.995): sum / count is the mean
+  to within half a bucket;
 - specserve_time_to_first_token_seconds, specserve_inter_token_latency_seconds,
   specserve_request_tokens_per_second: latency and speed histograms;
 - specserve_queue_depth: sequences active in the router replica;
@@ -52,7 +55,7 @@ class RouterMetrics:
             m.Histogram(
                 "specserve_acceptance_length",
                 "Tokens committed per target step, per request.",
-                boundaries=[1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8],
+                boundaries=[0.99, 1, 1.25, 1.5, 1.75, 2, 2.25, 2.5, 3, 3.5, 4, 5, 6, 8],
             )
             if m
             else null

@@ -184,4 +184,6 @@ def test_prometheus_endpoint_shows_speculative_metrics(served: dict) -> None:
         time.sleep(2)
     assert all(totals.values()), totals
     assert totals["specserve_replica_up"] >= 2  # one draft and one target replica
-    assert metric_total(text, "specserve_acceptance_length_sum") / totals["specserve_acceptance_length_count"] >= 1
+    # Ray exports _sum from bucket midpoints; the (0.99, 1] bucket keeps plain-decoding requests at 0.995.
+    mean = metric_total(text, "specserve_acceptance_length_sum") / totals["specserve_acceptance_length_count"]
+    assert mean >= 0.99, mean
