@@ -109,6 +109,8 @@ class Lane:
         self.groups: list[dict[str, Live]] = [{} for _ in range(n)]
         self.drafted = [False] * n  # group holds proposals not yet verified
         self.release_draft: list[list[str]] = [[] for _ in range(n)]
+        # per group, the planned round: predicted tokens/s (None: plain), overlapped, draft seconds
+        self.predicted: list[tuple[float | None, bool, float]] = [(None, False, 0.0) for _ in range(n)]
         self.release_target: list[list[str]] = [[] for _ in range(n)]
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         self._draft_off_until = 0.0
@@ -184,6 +186,7 @@ class Lane:
         depths = plan_depths(
             [x.seq for x in lives], costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled
         )
+        self.predicted[g] = (costs.last_predicted if costs is not None else None, overlapped, 0.0)
         requests = [
             DraftRequest(x.seq.seq_id, tuple(x.seq.tokens), d, x.seq.params) for x, d in zip(lives, depths, strict=True)
         ]
@@ -200,6 +203,7 @@ class Lane:
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
                 self.ctx.costs.observe_draft([x.seq for x in lives], [p.tree for p in proposals], drafted.work.seconds)
+                self.predicted[g] = (*self.predicted[g][:2], drafted.work.seconds)
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s
@@ -223,7 +227,12 @@ class Lane:
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
         trees = [item.proposal.tree for item in items]
-        self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds)
+        accepted = [len(v.accepted) for v in verified.verdicts]
+        self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds, accepted)
+        predicted, overlapped, draft_s = self.predicted[g]
+        verify_s = verified.work.seconds
+        seconds = max(verify_s, draft_s) if overlapped else verify_s + draft_s
+        self.ctx.costs.observe_round(predicted, sum(len(v.tokens) for v in verified.verdicts), seconds)
         committed = 0
         for live, verdict in zip(lives, verified.verdicts, strict=True):
             committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))

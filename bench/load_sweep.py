@@ -8,7 +8,11 @@ editing whose answer quotes the prompt):
 - off:    no drafter, the target alone behind the same router (plain continuous batching);
 - draft:  the draft model proposes chains; depth per sequence by acceptance, per batch by load;
 - lookup: prompt lookup (n-gram matches in the context), no draft model.
-Reported per mode and concurrency: output tokens/s over the level's wall time, time to first token
+Requests differ in output length (LENGTHS, mean --max-tokens, ignore_eos so each gets exactly its
+own): with equal lengths the requests of a level finish together, and plain decoding then prefills
+each new wave as one batch while speculation, which finishes them at different steps, cannot.
+Reported per mode and concurrency: output tokens/s while all c clients are busy (until the first
+one runs out of requests; the wall-time figure, tail included, is kept too), time to first token
 and inter-token latency (gap between streamed chunks, per token) p50 / p99, tokens committed per
 target step (acceptance length), and the ratio to `off` at the same concurrency. At c = 1 it also
 reports the analytic bound L*T/(V+D) of DESIGN.md from the same run (T: off's verify step, V and
@@ -46,6 +50,7 @@ from deploy.models import REGISTRY, fetch
 
 REPO = str(Path(__file__).resolve().parents[1])
 DRAFTERS = {"off": "none", "draft": "model", "lookup": "lookup"}
+STAT_KEYS = ("verify_s", "draft_s", "step_s", "overhead_share")  # the router's per-step means
 
 
 def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
@@ -94,11 +99,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
             if any(c["delta"].get("content") for c in chunk.get("choices", [])):
                 arrivals.append(time.perf_counter())
     tokens = usage.get("completion_tokens", 0)
+    if tokens != max_tokens:
+        raise RuntimeError(f"asked for {max_tokens} tokens (ignore_eos), got {tokens}")
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     # Chunks carry several tokens when drafts are accepted: spread each gap over its chunk's tokens.
     per_token = (tokens - 1) / len(gaps) if gaps else 1.0
     return {
         "tokens": tokens,
+        "arrivals": arrivals,
+        "chunks": len(arrivals),
         "ttft": arrivals[0] - start if arrivals else float("nan"),
         "itl": [g / per_token for g in gaps],
         "steps": usage.get("steps", tokens),
@@ -106,31 +115,62 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
     }
 
 
-async def level(url: str, c: int, requests: int, max_tokens: int) -> dict[str, Any]:
+# Output lengths of the mix, as fractions of --max-tokens (mean 1): real requests differ in length, and
+# equal ones would finish together and make plain decoding prefill each wave in one batch.
+LENGTHS = (0.75, 1.0, 1.25, 0.5, 1.5)
+
+
+def workload(requests: int, max_tokens: int) -> list[tuple[str, int]]:
+    """(prompt, output tokens) per request: every prompt kind meets every length as requests grow."""
     texts = list(PROMPTS.values())
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(texts[i % len(texts)])
+    return [
+        (texts[i % len(texts)], max(round(max_tokens * LENGTHS[(i + i // len(texts)) % len(LENGTHS)]), 1))
+        for i in range(requests)
+    ]
+
+
+async def level(url: str, c: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+    for item in workload(requests, max_tokens):
+        queue.put_nowait(item)
     results: list[dict[str, Any]] = []
+    exits: list[float] = []
 
     async def client(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
-            results.append(await one_request(session, url, queue.get_nowait(), max_tokens))
+            prompt, n = queue.get_nowait()
+            results.append(await one_request(session, url, prompt, n))
+        exits.append(time.perf_counter())
 
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
         await asyncio.gather(*[client(session) for _ in range(c)])
         wall = time.perf_counter() - start
+    # Steady state: until the first client runs out of requests, all c are busy; after it, fewer are.
+    # A request's tokens are spread evenly over its streamed chunks.
+    until = min(exits)
+    for r in results:
+        r["steady_tokens"] = r["tokens"] * sum(t <= until for t in r.pop("arrivals")) / max(r["chunks"], 1)
+    return {"concurrency": c, "results": results, "window": until - start, "wall": wall}
+
+
+def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from one or more passes of a level on a mode (their requests and seconds pooled)."""
+    results = [r for p in passes for r in p["results"]]
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results]
     itl = [g for r in results for g in r["itl"]]
+    window, wall = sum(p["window"] for p in passes), sum(p["wall"] for p in passes)
     return {
-        "concurrency": c,
+        "concurrency": passes[0]["concurrency"],
+        "passes": len(passes),
         "requests": len(results),
         "tokens": tokens,
         "seconds": wall,
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": sum(r["steady_tokens"] for r in results) / window,
+        "wall_tokens_per_s": tokens / wall,
+        "steady_seconds": window,
         "ttft_p50": _pct(ttft, 50),
         "ttft_p99": _pct(ttft, 99),
         "itl_p50": _pct(itl, 50),
@@ -160,16 +200,21 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     handles = {mode: serve.get_app_handle(mode) for mode in args.modes}
     urls = {mode: f"http://127.0.0.1:{args.port}/{mode}" for mode in args.modes}
     for mode in args.modes:  # warm-up: first forwards, kernel choice, connections, cost measurements
-        asyncio.run(level(urls[mode], 2, 4, 16))
+        asyncio.run(level(urls[mode], 2, 6, 16))
     rows = []
     for c in args.concurrency:
         per_client = max(args.requests_per_client, -(-args.min_requests // c))  # every client sends as many
+        passes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+        stats: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+        for rep in range(args.repeats):  # modes in turn, the order reversed each pass (ABC CBA)
+            for mode in args.modes if rep % 2 == 0 else args.modes[::-1]:
+                handles[mode].stats.remote(reset=True).result()
+                passes[mode].append(asyncio.run(level(urls[mode], c, per_client * c, args.max_tokens)))
+                stats[mode].append(handles[mode].stats.remote(reset=True).result())
         for mode in args.modes:
-            handles[mode].stats.remote(reset=True).result()
-            row = asyncio.run(level(urls[mode], c, per_client * c, args.max_tokens))
-            stats = handles[mode].stats.remote(reset=True).result()
-            row |= {"mode": mode, "verify_s": stats.get("verify_s", 0.0), "draft_s": stats.get("draft_s", 0.0)}
-            row |= {"step_s": stats.get("step_s", 0.0), "overhead_share": stats.get("overhead_share", 0.0)}
+            row = merge(passes[mode])
+            mean = {k: statistics.fmean(st.get(k, 0.0) for st in stats[mode]) for k in STAT_KEYS}
+            row |= {"mode": mode, **mean}
             rows.append(row)
             print(
                 f"{mode:>7} c={c:<3} {row['tokens_per_s']:7.2f} tok/s  L={row['acceptance_length']:.2f}  "
@@ -216,20 +261,26 @@ def plot(rows: list[dict[str, Any]], stem: Path) -> None:
 
 def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     summarize(rows)
-    columns = ["mode", "c", "tok/s", "vs off", "L", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms"]
+    columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "L", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
+    columns += ["ITL p99 ms"]
     columns += ["verify ms", "draft ms", "bound", "efficiency"]
     table = [
-        [r["mode"], r["concurrency"], r["tokens_per_s"], r["vs_off"], r["acceptance_length"], r["ttft_p50"]]
+        [r["mode"], r["concurrency"], r["tokens_per_s"], r["vs_off"], r.get("wall_tokens_per_s", float("nan"))]
+        + [r["acceptance_length"], r["ttft_p50"]]
         + [r["ttft_p99"], 1e3 * r["itl_p50"], 1e3 * r["itl_p99"], 1e3 * r["verify_s"], 1e3 * r["draft_s"]]
         + [r["bound"], r["efficiency"]]
         for r in sorted(rows, key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["mode"])))
     ]
     intro = (
         f"Target {args.target}, draft {args.draft}, {args.dtype}, {args.threads} torch threads per worker; "
-        f"{args.max_tokens} output tokens per request (ignore_eos), greedy, streamed over HTTP; "
-        f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level; "
+        f"output tokens per request {', '.join(f'{f:g}' for f in LENGTHS)} x {args.max_tokens} (ignore_eos), "
+        "greedy, streamed over HTTP; "
+        f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level and pass, "
+        f"{args.repeats} passes (modes in turn, order reversed each pass, requests pooled); "
         "prompt mix: " + ", ".join(PROMPTS) + ".\n\n"
-        "vs off: throughput over speculation off at the same concurrency. L: output tokens per target "
+        "tok/s: output tokens per second while all c clients are busy (until the first runs out of "
+        "requests); wall tok/s: over the whole level, its tail included. "
+        "vs off: tok/s over speculation off's at the same concurrency. L: output tokens per target "
         "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
         "L*T/(V+D) with T = off's verify compute per step, V, D = this mode's verify and draft compute "
         "per step (inside the workers); efficiency = vs off / bound.\n\n"
@@ -253,6 +304,7 @@ def main() -> None:
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=5, help="at least one of each prompt kind")
+    parser.add_argument("--repeats", type=int, default=2, help="passes per level, mode order reversed each")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--name", default="load_sweep")
     parser.add_argument("--render", metavar="JSON", help="only rewrite md/png from an earlier run's JSON")

@@ -55,17 +55,20 @@ class AdaptiveDepth:
     """One sequence's acceptance estimate and the speculation depth it implies."""
 
     config: AdaptiveConfig
-    accepted: float = 0.0  # decayed count of accepted draft tokens
-    trials: float = 0.0  # decayed count of accept/reject decisions
+    accepted: float = 0.0  # decayed count of accepted draft tokens (evidence only)
+    trials: float = 0.0  # decayed count of accept/reject decisions (evidence only)
+    prior_weight: float = 4.0  # pseudo-decisions of the prior, decaying like the evidence
     steps_at_zero: int = 0
-
-    def __post_init__(self) -> None:
-        self.accepted = self.config.prior_acceptance * 4
-        self.trials = 4.0
 
     @property
     def acceptance(self) -> float:
-        return min(max(self.accepted / self.trials, 1e-3), 0.999)
+        """The estimate under the configured prior: what this sequence's own depth follows."""
+        return self.acceptance_with(self.config.prior_acceptance)
+
+    def acceptance_with(self, prior: float) -> float:
+        """The estimate with this prior in place of the configured one (e.g. what the lane has seen)."""
+        estimate = (self.accepted + self.prior_weight * prior) / (self.trials + self.prior_weight)
+        return min(max(estimate, 1e-3), 0.999)
 
     def next_depth(self) -> int:
         if not self.config.enabled:
@@ -85,3 +88,4 @@ class AdaptiveDepth:
         rejected = 1.0 if accepted_depth < proposed_depth else 0.0
         self.accepted = self.config.memory * self.accepted + accepted_depth
         self.trials = self.config.memory * self.trials + accepted_depth + rejected
+        self.prior_weight *= self.config.memory

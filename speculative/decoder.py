@@ -150,7 +150,9 @@ class SpeculativeDecoder:
         verdicts = self.target.verify(items)
         t2 = time.perf_counter()
         if self.costs is not None:
-            self._observe(seqs, proposals, t1 - t0, t2 - t1)
+            predicted = self.costs.last_predicted
+            self._observe(seqs, proposals, [len(v.accepted) for v in verdicts], t1 - t0, t2 - t1)
+            self.costs.observe_round(predicted, sum(len(v.tokens) for v in verdicts), t2 - t0)
         outputs = [
             self._commit(seq, prop, v.tokens, len(v.accepted))
             for seq, prop, v in zip(seqs, proposals, verdicts, strict=True)
@@ -170,10 +172,12 @@ class SpeculativeDecoder:
             return [empty_proposal(r) for r in requests]
         return self.drafter.propose(requests)
 
-    def _observe(self, seqs: list[Sequence], proposals: list[Proposal], draft_s: float, verify_s: float) -> None:
+    def _observe(
+        self, seqs: list[Sequence], proposals: list[Proposal], accepted: list[int], draft_s: float, verify_s: float
+    ) -> None:
         assert self.costs is not None
         self.costs.observe_draft(seqs, [p.tree for p in proposals], draft_s)
-        self.costs.observe_verify(seqs, [p.tree for p in proposals], verify_s)
+        self.costs.observe_verify(seqs, [p.tree for p in proposals], verify_s, accepted)
 
     def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:
         new = seq.commit(prop.tree, tokens, n_accepted, self.eos_ids, self.decode)

@@ -7,21 +7,37 @@ until the batch turns compute-bound. So a lane measures its own calls and, befor
 chooses depths d_i <= min(want_i, cap) maximising the round's goodput
 
     goodput(d) = sum_i E(a_i, d_i) / cost(d)
-    cost(d)    = V(sum_i (1 + w * d_i)) + D(n, max_i d_i)    (max(V, D) when overlapped)
+    cost(d)    = V(P(1 + w * d_1, ..., 1 + w * d_n)) + D(n, max_i d_i)    (max(V, D) when overlapped)
 
 where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, w the tree nodes
-drafted per unit of depth (1 for chains), V(x) the measured seconds of a verify forward over x
-tokens and D(n, k) of a k-deep draft round over n sequences. Going one level deeper in sequence i
-gains a_i^(d_i+1) tokens, so the best allocation of m draft tokens takes the m largest gains and
-only m is searched. All zero is plain decoding (no draft call): chosen whenever the measurements
-say speculation does not pay, so under heavy load throughput with speculation on falls back to
-that with it off, while a sequence that quotes its prompt keeps drafting when the others stop.
+drafted per unit of depth (1 for chains), P the token positions the runner computes for rows of
+those lengths (each forward pads its rows to the longest: `batching.padded_tokens`), V(x) the
+measured seconds of a verify forward over x positions and D(n, k) of a k-deep draft round over n
+sequences. Drafting is chosen only when it beats the plain round by `min_gain` (1.1): the model
+leaves out the draft model catching up on a sequence that has not drafted for a while, and a lane
+that drafts for some sequences and not others breaks up the lockstep in which equal requests
+would otherwise join and prefill together; a marginal predicted gain is not worth those.
+
+Going one level deeper in sequence i gains a_i^(d_i+1) tokens, so the best allocation of m draft
+tokens takes the m largest gains and only m is searched. All zero is plain decoding (no draft
+call): chosen whenever the measurements say speculation does not pay, so under heavy load
+throughput with speculation on falls back to that with it off, while a sequence that quotes its
+prompt keeps drafting when the others stop.
 
 V and D are learned online: decayed means per power-of-two bucket of tokens (verify) or of batch
-size (draft, per unit of depth), interpolated between buckets, flat below the smallest, and above
-the largest along the last slope (flat from a single point: a size never tried is assumed to cost
-what the largest tried did, so it gets tried once and then priced by its own measurement). Before any measurement every
-sequence drafts min(want, cap).
+size (draft, per unit of depth), interpolated between buckets, below the smallest along the first
+slope (never below proportional to size), and above the largest along the last slope (flat from a
+single point: a size never tried is assumed to cost what the largest tried did, so it gets tried
+once and then priced by its own measurement). Before any measurement every sequence drafts
+min(want, cap). Every choice is weighed against the plain round, so its cost V(n) must be measured,
+not guessed: a lane that has always drafted has seen only larger forwards, and a plain round priced
+like them makes drafting look better than it is. When V(n) at the current size was never measured,
+or not in the last `refresh_rounds` verifies, the round is plain (capped sequences draft nothing).
+
+What the model leaves out (a resumed sequence's draft catch-up, call overheads, optimistic
+acceptance) is learned as one factor: realized over predicted tokens/s of the drafting rounds,
+applied to every drafting choice. Plain rounds move it back toward 1, so a lane that stopped
+drafting tries again now and then.
 
 Depths change which tokens are drafted, never which are committed under greedy decoding or under
 target-sample matching (deterministic drafts: the committed token at each position is the keyed
@@ -39,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from speculative.adaptive import expected_tokens
+from speculative.batching import padded_tokens
 from speculative.tree import TokenTree
 
 if TYPE_CHECKING:
@@ -51,6 +68,11 @@ class _Point:
 
     x: float
     seconds: float
+    seen: int  # the curve's observation count when this bucket was last observed
+
+
+def _bucket(x: float) -> int:
+    return max(math.ceil(math.log2(max(x, 1.0))), 0)
 
 
 @dataclass
@@ -59,22 +81,31 @@ class _Curve:
 
     memory: float
     points: dict[int, _Point] = field(default_factory=dict)
+    clock: int = 0  # observations so far
 
     def observe(self, x: float, seconds: float) -> None:
-        bucket = max(math.ceil(math.log2(max(x, 1.0))), 0)
-        p = self.points.get(bucket)
+        self.clock += 1
+        p = self.points.get(_bucket(x))
         if p is None:
-            self.points[bucket] = _Point(x, seconds)
+            self.points[_bucket(x)] = _Point(x, seconds, self.clock)
         else:
             p.x = self.memory * p.x + (1 - self.memory) * x
             p.seconds = self.memory * p.seconds + (1 - self.memory) * seconds
+            p.seen = self.clock
+
+    def age(self, x: float) -> int | None:
+        """Observations since a size like x was last observed; None if never."""
+        p = self.points.get(_bucket(x))
+        return None if p is None else self.clock - p.seen
 
     def __call__(self, x: float) -> float | None:
         if not self.points:
             return None
         pts = sorted((p.x, p.seconds) for p in self.points.values())
-        if x <= pts[0][0]:
-            return pts[0][1]
+        if x <= pts[0][0]:  # below: along the first slope (a fixed cost plus a per-token one), not below
+            (x0, s0), (x1, s1) = pts[0], pts[1] if len(pts) > 1 else pts[0]  # proportional to size
+            slope = max(s1 - s0, 0.0) / (x1 - x0) if x1 > x0 else 0.0
+            return max(s0 - slope * (x0 - x), s0 * x / x0)
         if x >= pts[-1][0]:  # beyond what was seen: the last slope (never negative), flat from one point
             (x0, s0), (x1, s1) = pts[-2] if len(pts) > 1 else pts[-1], pts[-1]
             slope = max(s1 - s0, 0.0) / (x1 - x0) if x1 > x0 else 0.0
@@ -93,20 +124,55 @@ class StepCosts:
     verify: _Curve = field(init=False)  # seconds of a verify forward, by tokens in it
     draft_step: _Curve = field(init=False)  # seconds per unit of depth of a draft round, by sequences
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
+    refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
+    min_gain: float = 1.1  # draft only when the predicted rate beats the plain round's by this factor
+    calibration: float = 1.0  # realized over predicted tokens/s of drafting rounds (decayed)
+    calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
+    calibration_relax: float = 0.02  # per plain round, the calibration moves this far back toward 1
+    last_predicted: float | None = None  # predicted tokens/s of the round just planned; None if plain
+    pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
+    pooled_accepted: float = 0.0  # decayed draft tokens accepted, all sequences of the lane
+    pooled_trials: float = 0.0  # decayed accept/reject decisions, all sequences of the lane
 
     def __post_init__(self) -> None:
         self.verify = _Curve(self.memory)
         self.draft_step = _Curve(self.memory)
 
-    def observe_verify(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
-        """A verify forward over `seqs` with these draft trees took `seconds`.
+    def observe_verify(
+        self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, accepted: Seq[int] = ()
+    ) -> None:
+        """A verify forward over `seqs` with these draft trees took `seconds`; `accepted`: draft tokens
+        each sequence kept (pooled into the lane's acceptance, the prior of sequences that just came).
 
         It carried each tree's root and nodes, and a sequence's whole prompt when it joined in this
         step (prefill rides in the same forward): prefill rounds are measurements too, and under
         load with requests arriving they are most rounds, and the only ones at large sizes.
         """
-        tokens = sum(t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True))
-        self.verify.observe(tokens, seconds)
+        lengths = [t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True)]
+        self.verify.observe(padded_tokens(lengths), seconds)
+        for tree, kept in zip(trees, accepted, strict=False):
+            proposed = max(tree.depths)
+            if proposed:  # the rule of adaptive.AdaptiveDepth.update, over every sequence of the lane
+                rejected = 1.0 if kept < proposed else 0.0
+                self.pooled_accepted = self.pooled_memory * self.pooled_accepted + kept
+                self.pooled_trials = self.pooled_memory * self.pooled_trials + kept + rejected
+
+    def observe_round(self, predicted: float | None, tokens: int, seconds: float) -> None:
+        """A planned round ended: `tokens` committed in `seconds` of verify and draft compute.
+
+        Drafting rounds calibrate the model against what it missed (a resumed sequence's draft
+        catch-up, call overheads, optimistic acceptance); plain rounds let a calibration that
+        stopped drafting drift back toward 1, so drafting is tried again later.
+        """
+        if predicted is None:
+            self.calibration += self.calibration_relax * (1.0 - self.calibration)
+        elif seconds > 0 and predicted > 0:
+            ratio = min(max(tokens / seconds / predicted, 0.25), 2.0)
+            self.calibration = self.calibration_memory * self.calibration + (1 - self.calibration_memory) * ratio
+
+    def acceptance_prior(self, default: float) -> float:
+        """The lane's recent acceptance, or `default` before it has drafted."""
+        return self.pooled_accepted / self.pooled_trials if self.pooled_trials >= 1.0 else default
 
     def observe_draft(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
         """A draft call that proposed `trees` for `seqs` took `seconds`.
@@ -138,6 +204,7 @@ def choose_depths(
     allocation of m draft tokens takes the m largest such gains; m is chosen by the measured costs.
     Before the costs are measured every sequence gets min(want, cap).
     """
+    costs.last_predicted = None
     n = len(wants)
     capped = capped or [True] * n
     depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
@@ -153,24 +220,29 @@ def choose_depths(
     if not gains:
         return depths
     if not costs.verify.points or costs.draft_step(n) is None:  # unmeasured: draft as deep as allowed once
-        return [min(w, cap) for w in wants]
+        return [min(w, cap) for w in wants]  # (no prediction: the round does not calibrate)
+    age = costs.verify.age(n)
+    if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
+        return depths  # a plain round measures it (the alternative every choice is weighed against)
     tokens = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
-    best_m, best_rate = 0, _rate(tokens, depths, costs, overlapped)
+    best_m, best_rate = 0, _rate(tokens, depths, costs, overlapped) * costs.min_gain  # drafting must clear it
     for m, (gain, i) in enumerate(gains, start=1):
         depths[i] += 1
         tokens += gain
-        rate = _rate(tokens, depths, costs, overlapped)
+        rate = _rate(tokens, depths, costs, overlapped) * costs.calibration
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
     for _, i in gains[:best_m]:
         chosen[i] += 1
+    if best_m:
+        costs.last_predicted = best_rate / costs.calibration
     return chosen
 
 
 def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool) -> float:
     """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
-    verify = costs.verify(len(depths) + costs.nodes_per_depth * sum(depths)) or 0.0
+    verify = costs.verify(padded_tokens([1 + round(costs.nodes_per_depth * d) for d in depths])) or 0.0
     drafting = sum(1 for d in depths if d)  # the draft round runs over these sequences only
     draft = (costs.draft_step(drafting) or 0.0) * max(depths) if drafting else 0.0
     seconds = max(verify, draft) if overlapped else verify + draft
@@ -187,4 +259,10 @@ def plan_depths(
     if costs is None:
         return [min(w, cap) for w in wants]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
-    return choose_depths(wants, [s.depth.acceptance for s in seqs], costs, cap, overlapped, capped)
+    # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
+    # a constant, so a workload the draft guesses badly does not draft on every arrival.
+    prior = costs.acceptance_prior(seqs[0].depth.config.prior_acceptance) if seqs else 0.0
+    depths = choose_depths(wants, [s.depth.acceptance_with(prior) for s in seqs], costs, cap, overlapped, capped)
+    if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
+        costs.last_predicted = None
+    return depths

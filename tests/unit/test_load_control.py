@@ -6,7 +6,7 @@ import pytest
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.decoder import Sequence
-from speculative.load_control import StepCosts, choose_depths
+from speculative.load_control import StepCosts, choose_depths, plan_depths
 from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 
@@ -46,15 +46,26 @@ def test_low_acceptance_turns_speculation_off() -> None:
     assert choose_depths([4], [0.05], c, 4) == [0]
 
 
+# A GPU-like verify: flat until the forward turns compute-bound.
+FLAT = {1: 0.02, 16: 0.02, 64: 0.021, 256: 0.03, 1024: 0.08}
+
+
 def test_under_load_the_predictable_sequence_keeps_drafting() -> None:
-    """A sequence quoting its prompt (a = 0.95) drafts deep while its neighbours (a = 0.3) stop."""
-    c = costs(CPU, {16: 0.001})  # prompt lookup: drafting is nearly free
-    depths = choose_depths([4] * 16, [0.95] + [0.3] * 15, c, 4)
-    assert depths[0] >= 3 and depths[1:] == [0] * 15
+    """On a flat verify a sequence quoting its prompt (a = 0.95) drafts deep under load; its
+    neighbours (a = 0.3) fill the padding its row forces anyway, so they draft for free."""
+    c = costs(FLAT, {16: 0.0001})  # prompt lookup: drafting is nearly free
+    assert choose_depths([4] * 16, [0.95] + [0.3] * 15, c, 4) == [4] * 16
+
+
+def test_padding_is_priced() -> None:
+    """On a CPU's linear verify one deep row among 16 pads all of them (or costs a second forward):
+    not worth its 3.5 expected tokens, although the same tokens unpadded would be."""
+    c = costs(CPU, {16: 0.0001})
+    assert choose_depths([4] * 16, [0.95] + [0.3] * 15, c, 4) == [0] * 16
 
 
 def test_never_above_what_sequences_want_or_the_cap() -> None:
-    c = costs({1: 0.1, 64: 0.1}, {1: 0.0001})  # free verify and draft: as deep as allowed
+    c = costs({1: 0.1, 2: 0.1, 64: 0.1}, {1: 0.0001})  # free verify and draft: as deep as allowed
     assert choose_depths([2, 3], [0.99, 0.99], c, 8) == [2, 3]
     assert choose_depths([8, 8], [0.99, 0.99], c, 5) == [5, 5]
 
@@ -74,7 +85,9 @@ def test_overlapped_draft_is_hidden_behind_verify() -> None:
 
 def test_curve_interpolates_and_extrapolates() -> None:
     c = costs({4: 1.0, 16: 2.0}, {})
-    assert c.verify(2) == pytest.approx(1.0)  # flat below the smallest
+    assert c.verify(2) == pytest.approx(0.8333, rel=1e-3)  # below the smallest along the first slope
+    assert c.verify(1) == pytest.approx(0.75)
+    assert costs({4: 1.0, 8: 5.0}, {}).verify(2) == pytest.approx(0.5)  # never below proportional
     assert c.verify(10) == pytest.approx(1.5)  # linear between
     assert c.verify(32) == pytest.approx(3.333, rel=1e-3)  # along the last slope
     single = costs({8: 1.0}, {})
@@ -87,7 +100,7 @@ def test_prefill_rounds_are_measured_by_their_prompt_tokens() -> None:
     running.stats.steps = 1
     c = StepCosts()
     c.observe_verify([joining, running], [TokenTree.chain(9, []), TokenTree.chain(2, [3, 4, 5])], 0.5)
-    assert [(p.x, p.seconds) for p in c.verify.points.values()] == [(14, 0.5)]  # 10 prompt + root and 3 nodes
+    assert [(p.x, p.seconds) for p in c.verify.points.values()] == [(20, 0.5)]  # 10 prompt, 1 + 3 padded to 10
 
 
 def test_first_draft_of_a_sequence_is_not_a_measurement() -> None:
@@ -99,3 +112,52 @@ def test_first_draft_of_a_sequence_is_not_a_measurement() -> None:
     seq.stats.drafted = 2
     c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 0.2)
     assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.1)]  # per unit of depth
+
+
+def test_plain_round_cost_is_measured_before_drafting_is_judged() -> None:
+    """A lane that has only drafted knows V at drafting sizes; a plain round priced like those would
+    make drafting look better than it is, so the plain size gets a round of its own, then periodically."""
+    c = costs({16: 0.33, 128: 1.3}, {4: 0.09})  # a 4-sequence lane that always drafted (CPU, 1.5B/0.5B)
+    assert choose_depths([4] * 4, [0.8] * 4, c, 4) == [0] * 4  # probe: V(4) never measured
+    c.verify.observe(4, 0.2)  # the plain round's real cost
+    assert choose_depths([4] * 4, [0.5] * 4, c, 4) == [0] * 4  # now priced: at a = 0.5 drafting does not pay
+    assert choose_depths([4] * 4, [0.95] * 4, c, 4) != [0] * 4  # at high acceptance it does
+    for _ in range(c.refresh_rounds + 1):
+        c.verify.observe(16, 0.33)
+    assert choose_depths([4] * 4, [0.95] * 4, c, 4) == [0] * 4  # the plain measurement got old: re-probe
+    assert choose_depths([4] * 4, [0.95] * 4, c, 4, capped=[False, True, True, True]) == [4, 0, 0, 0]
+
+
+def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
+    """The lane has seen 1 in 4 drafts accepted, so sequences that just joined do not draft on the
+    configured prior (0.7) alone; a sequence's own evidence takes over as it comes."""
+    c = costs({1: 0.2, 4: 0.2, 16: 0.2, 32: 0.25}, {1: 0.03, 4: 0.04})
+    config = AdaptiveConfig()
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    fresh = [Sequence(f"s{i}", [1, 2, 3], greedy, AdaptiveDepth(config)) for i in range(4)]
+    assert plan_depths(fresh, c, 4) != [0] * 4  # nothing pooled yet: the configured prior drafts
+    for _ in range(50):  # drafts of 1 token, one in four kept
+        c.observe_verify(fresh, [TokenTree.chain(3, [7])] * 4, 0.2, [1, 0, 0, 0])
+    assert c.acceptance_prior(0.7) == pytest.approx(0.25, abs=0.05)
+    assert plan_depths(fresh, c, 4) == [0] * 4
+    quoting = fresh[0].depth
+    for _ in range(10):
+        quoting.update(4, 4)  # this sequence's own drafts all land
+    assert plan_depths(fresh, c, 4)[0] > 0
+    assert quoting.acceptance_with(0.7) == pytest.approx(quoting.acceptance)
+
+
+def test_drafting_that_does_not_deliver_what_was_predicted_stops_and_is_tried_again_later() -> None:
+    c = costs({1: 0.2, 4: 0.2, 16: 0.22}, {4: 0.06})  # drafting predicted about 1.5x plain
+    wants, acc = [4] * 4, [0.8] * 4
+    assert choose_depths(wants, acc, c, 4) != [0] * 4
+    predicted = c.last_predicted
+    assert predicted is not None
+    for _ in range(10):  # each drafting round delivers half the predicted tokens/s (e.g. draft catch-ups)
+        c.observe_round(predicted, 10, 10 / (predicted / 2))
+    assert c.calibration == pytest.approx(0.5, abs=0.06)
+    assert choose_depths(wants, acc, c, 4) == [0] * 4 and c.last_predicted is None
+    for _ in range(60):  # plain rounds: the calibration drifts back, and drafting is tried again
+        c.verify.observe(4, 0.2)
+        c.observe_round(None, 4, 0.2)
+    assert choose_depths(wants, acc, c, 4) != [0] * 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculative.batching import ragged_groups
 from speculative.drafters.base import Proposal
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
@@ -100,3 +101,36 @@ def test_verifier_reprefills_a_sequence_it_has_not_seen(model):
     cold = TargetVerifier(ModelRunner(model)).verify([VerifyItem("s", seq, greedy, Proposal(tree))])
     expected = int(full_logits(model, list(seq)).argmax())
     assert got[0].tokens == cold[0].tokens == (expected,)
+
+
+def test_ragged_groups_split_only_when_padding_costs_more_than_a_forward():
+    assert ragged_groups([1, 1, 1], overhead=32) == [[0, 1, 2]]
+    assert ragged_groups([1, 80, 0, 2], overhead=32) == [[1], [3, 0]]  # idle row 2 left out
+    assert ragged_groups([1, 80, 2], overhead=200) == [[1, 2, 0]]  # a forward costs more than the pads
+    assert ragged_groups([0, 0], overhead=32) == []
+
+
+@pytest.mark.parametrize("overhead", [0, 1000])
+def test_ragged_rows_in_separate_forwards_equal_one_padded_forward(model, overhead):
+    """A long prefill beside short drafts, some rows idle: grouped or padded, every row's logits and
+    cache are those of the row alone, through several speculative forwards and a commit."""
+    runner = ModelRunner(model, forward_overhead_tokens=overhead)
+    runner.add_rows(["a", "b", "c", "d"])
+    runner.extend([p[:-1] for p in PROMPTS] + [[]])  # row d holds nothing yet
+    long = list(range(30, 70))
+    tokens = [[PROMPTS[0][-1], 20], [], [PROMPTS[2][-1]], long]  # b idle, d prefills 40 tokens
+    logits = runner.forward(tokens, [chain_parents(len(t)) for t in tokens], [[0, 1], [], [0], [39]])
+    torch.testing.assert_close(logits[0, 0], full_logits(model, PROMPTS[0]), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0, 1], full_logits(model, PROMPTS[0] + [20]), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[2, 0], full_logits(model, PROMPTS[2]), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[3, 0], full_logits(model, long), atol=2e-5, rtol=1e-5)
+    # A second forward before committing: children of earlier speculative columns (0 and 1).
+    logits = runner.forward([[21], [PROMPTS[1][-1]], [], [5]], [[0], [-1], [], [39]], [[0]] * 4)
+    torch.testing.assert_close(logits[0, 0], full_logits(model, PROMPTS[0] + [21]), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1, 0], full_logits(model, PROMPTS[1]), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[3, 0], full_logits(model, [*long, 5]), atol=2e-5, rtol=1e-5)
+    runner.commit([[0, 1], [40], [0], list(range(40))])  # the first forward took columns 0..39
+    assert runner.cached == [PROMPTS[0] + [20], PROMPTS[1], PROMPTS[2], long]
+    logits = runner.forward([[9], [9], [9], [9]], [[-1]] * 4, [[0]] * 4)
+    for b, seq in enumerate(runner.cached):
+        torch.testing.assert_close(logits[b, 0], full_logits(model, [*seq, 9]), atol=2e-5, rtol=1e-5)
