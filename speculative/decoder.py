@@ -27,6 +27,9 @@ class SequenceStats:
     steps: int = 0  # target forwards (verify steps) this sequence took part in
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
+    drafted_at: int = -2  # `steps` when it last drafted
+    draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
 
     @property
     def acceptance_length(self) -> float:

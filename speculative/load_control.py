@@ -7,16 +7,17 @@ until the batch turns compute-bound. So a lane measures its own calls and, befor
 chooses depths d_i <= min(want_i, cap) maximising the round's goodput
 
     goodput(d) = sum_i E(a_i, d_i) / cost(d)
-    cost(d)    = V(P(1 + w * d_1, ..., 1 + w * d_n)) + D(n, max_i d_i)    (max(V, D) when overlapped)
+    cost(d)    = V(P(1 + w * d_1, ..., 1 + w * d_n)) + D(n, max_i d_i) + C * sum_{d_i > 0} c_i
+                 (max(V, D + C...) when overlapped)
 
 where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, w the tree nodes
 drafted per unit of depth (1 for chains), P the token positions the runner computes for rows of
 those lengths (each forward pads its rows to the longest: `batching.padded_tokens`), V(x) the
-measured seconds of a verify forward over x positions and D(n, k) of a k-deep draft round over n
-sequences. Drafting is chosen only when it beats the plain round by `min_gain` (1.1): the model
-leaves out the draft model catching up on a sequence that has not drafted for a while, and a lane
-that drafts for some sequences and not others breaks up the lockstep in which equal requests
-would otherwise join and prefill together; a marginal predicted gain is not worth those.
+measured seconds of a verify forward over x positions, D(n, k) of a k-deep draft round over n
+sequences, c_i the tokens the draft model must catch up on before sequence i drafts (its prompt if
+it never drafted, every token since if it stopped: `catch_up`), spread over the rounds the sequence
+has left (it is paid once), and C the measured seconds per caught-up token. Drafting is chosen
+only when it beats the plain round by `min_gain` (1.1).
 
 Going one level deeper in sequence i gains a_i^(d_i+1) tokens, so the best allocation of m draft
 tokens takes the m largest gains and only m is searched. All zero is plain decoding (no draft
@@ -57,6 +58,8 @@ from typing import TYPE_CHECKING
 from speculative.adaptive import expected_tokens
 from speculative.batching import padded_tokens
 from speculative.tree import TokenTree
+
+CATCH_UP_MEASURED = 8  # catch-up tokens in a draft call from which it prices catching up, not a round
 
 if TYPE_CHECKING:
     from speculative.decoder import Sequence
@@ -130,6 +133,7 @@ class StepCosts:
     calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
     calibration_relax: float = 0.02  # per plain round, the calibration moves this far back toward 1
     last_predicted: float | None = None  # predicted tokens/s of the round just planned; None if plain
+    draft_token: float | None = None  # seconds per token the draft model catches up on (decayed mean)
     pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
     pooled_accepted: float = 0.0  # decayed draft tokens accepted, all sequences of the lane
     pooled_trials: float = 0.0  # decayed accept/reject decisions, all sequences of the lane
@@ -177,16 +181,33 @@ class StepCosts:
     def observe_draft(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
         """A draft call that proposed `trees` for `seqs` took `seconds`.
 
-        Skipped when a sequence drafts for the first time: the draft model then prefills its whole
-        prompt, a one-off that would price every later round of drafting out.
+        A call in which the draft model caught up on many tokens (a new sequence's prompt, or one that
+        has not drafted for a while: `catch_up`) measures the cost of catching up per token, beyond
+        what a round of that size costs, not the cost of a round: it would price later rounds out.
         """
         depths = [max(t.depths) for t in trees]
         drafting = [s for s, d in zip(seqs, depths, strict=True) if d]
-        if not drafting or any(s.stats.drafted == 0 for s in drafting):
+        if not drafting:
+            return
+        caught_up = sum(s.stats.draft_catch_up for s in drafting)
+        if caught_up >= CATCH_UP_MEASURED:
+            base = self.draft_step(len(drafting))
+            if base is not None and seconds > base * max(depths):
+                per_token = (seconds - base * max(depths)) / caught_up
+                old = self.draft_token
+                self.draft_token = per_token if old is None else self.memory * old + (1 - self.memory) * per_token
             return
         self.draft_step.observe(len(drafting), seconds / max(depths))
         width = sum(t.size for t in trees) / sum(depths)  # nodes per unit of depth: 1 for chains
         self.nodes_per_depth = self.memory * self.nodes_per_depth + (1 - self.memory) * max(width, 1.0)
+
+
+def catch_up(seq: Sequence) -> int:
+    """Tokens the draft model must catch up on before this sequence drafts, beyond a round's worth:
+    none if it drafted last round, else every token since it last drafted (its prompt if never)."""
+    if seq.stats.drafted_at == seq.stats.steps - 1:
+        return 0
+    return len(seq.tokens) - seq.stats.draft_synced
 
 
 def choose_depths(
@@ -196,6 +217,7 @@ def choose_depths(
     cap: int,
     overlapped: bool = False,
     capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
+    catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -224,12 +246,13 @@ def choose_depths(
     age = costs.verify.age(n)
     if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
         return depths  # a plain round measures it (the alternative every choice is weighed against)
+    catch = catch_ups or [0] * n
     tokens = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
-    best_m, best_rate = 0, _rate(tokens, depths, costs, overlapped) * costs.min_gain  # drafting must clear it
+    best_m, best_rate = 0, _rate(tokens, depths, costs, overlapped, catch) * costs.min_gain  # drafting must clear it
     for m, (gain, i) in enumerate(gains, start=1):
         depths[i] += 1
         tokens += gain
-        rate = _rate(tokens, depths, costs, overlapped) * costs.calibration
+        rate = _rate(tokens, depths, costs, overlapped, catch) * costs.calibration
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
@@ -240,11 +263,13 @@ def choose_depths(
     return chosen
 
 
-def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool) -> float:
+def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
     """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
     verify = costs.verify(padded_tokens([1 + round(costs.nodes_per_depth * d) for d in depths])) or 0.0
     drafting = sum(1 for d in depths if d)  # the draft round runs over these sequences only
     draft = (costs.draft_step(drafting) or 0.0) * max(depths) if drafting else 0.0
+    if drafting and costs.draft_token:
+        draft += costs.draft_token * sum(c for c, d in zip(catch, depths, strict=True) if d)
     seconds = max(verify, draft) if overlapped else verify + draft
     return tokens / max(seconds, 1e-9)
 
@@ -262,7 +287,19 @@ def plan_depths(
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
     # a constant, so a workload the draft guesses badly does not draft on every arrival.
     prior = costs.acceptance_prior(seqs[0].depth.config.prior_acceptance) if seqs else 0.0
-    depths = choose_depths(wants, [s.depth.acceptance_with(prior) for s in seqs], costs, cap, overlapped, capped)
+    acceptances = [s.depth.acceptance_with(prior) for s in seqs]
+    # Catching up is paid once and lets the sequence draft for the rest of its output: charge each
+    # round its share, over the rounds the sequence still has to go at its own depth.
+    rounds_left = [
+        max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
+        for s, a, w in zip(seqs, acceptances, wants, strict=True)
+    ]
+    catch_ups = [catch_up(s) for s in seqs]
+    charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
+    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
+    for s, d, c in zip(seqs, depths, catch_ups, strict=True):
+        if d:
+            s.stats.draft_synced, s.stats.drafted_at, s.stats.draft_catch_up = len(s.tokens), s.stats.steps, c
     return depths

@@ -6,7 +6,7 @@ import pytest
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.decoder import Sequence
-from speculative.load_control import StepCosts, choose_depths, plan_depths
+from speculative.load_control import StepCosts, catch_up, choose_depths, plan_depths
 from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 
@@ -103,29 +103,33 @@ def test_prefill_rounds_are_measured_by_their_prompt_tokens() -> None:
     assert [(p.x, p.seconds) for p in c.verify.points.values()] == [(20, 0.5)]  # 10 prompt, 1 + 3 padded to 10
 
 
-def test_first_draft_of_a_sequence_is_not_a_measurement() -> None:
-    """The draft model prefills a new sequence's prompt: a one-off, not the cost of drafting."""
-    seq = Sequence("a", list(range(100)), SamplingParams(), AdaptiveDepth(AdaptiveConfig()))
-    c = StepCosts()
+def test_catching_up_is_priced_per_token_not_as_a_round() -> None:
+    """The draft model prefills a new sequence's prompt, or catches up on one that has not drafted
+    for a while: that call measures catching up per token, and a round that needs it pays for it."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    seq = Sequence("a", list(range(100)), greedy, AdaptiveDepth(AdaptiveConfig()))
+    c = costs({1: 0.2, 2: 0.2, 8: 0.21}, {})
+    assert plan_depths([seq], c, 2) == [2]  # unmeasured: drafts, and records its catch-up (the prompt)
+    assert seq.stats.draft_catch_up == 100
     c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 2.0)
-    assert not c.draft_step.points
-    seq.stats.drafted = 2
-    c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 0.2)
-    assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.1)]  # per unit of depth
-
-
-def test_plain_round_cost_is_measured_before_drafting_is_judged() -> None:
-    """A lane that has only drafted knows V at drafting sizes; a plain round priced like those would
-    make drafting look better than it is, so the plain size gets a round of its own, then periodically."""
-    c = costs({16: 0.33, 128: 1.3}, {4: 0.09})  # a 4-sequence lane that always drafted (CPU, 1.5B/0.5B)
-    assert choose_depths([4] * 4, [0.8] * 4, c, 4) == [0] * 4  # probe: V(4) never measured
-    c.verify.observe(4, 0.2)  # the plain round's real cost
-    assert choose_depths([4] * 4, [0.5] * 4, c, 4) == [0] * 4  # now priced: at a = 0.5 drafting does not pay
-    assert choose_depths([4] * 4, [0.95] * 4, c, 4) != [0] * 4  # at high acceptance it does
-    for _ in range(c.refresh_rounds + 1):
-        c.verify.observe(16, 0.33)
-    assert choose_depths([4] * 4, [0.95] * 4, c, 4) == [0] * 4  # the plain measurement got old: re-probe
-    assert choose_depths([4] * 4, [0.95] * 4, c, 4, capped=[False, True, True, True]) == [4, 0, 0, 0]
+    assert not c.draft_step.points and c.draft_token is None  # no round cost to subtract yet: nothing
+    seq.stats.draft_catch_up = 0  # a round that caught up on nothing: the round's cost
+    c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 0.1)
+    assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.05)]  # per unit of depth
+    seq.stats.draft_catch_up = 100
+    c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 1.1)
+    assert c.draft_token == pytest.approx(0.01)  # (1.1 - 2 * 0.05) / 100
+    assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.05)]
+    seq.stats.steps, seq.stats.drafted_at = 60, 10  # not drafted for 50 rounds: 60 tokens to catch up
+    seq.output = list(range(60))
+    assert catch_up(seq) == 160 - seq.stats.draft_synced
+    seq.stats.draft_synced = 100
+    assert plan_depths([seq], c, 4) == [0]  # 0.6 s of catch-up for the 4 tokens left: not worth it
+    seq.stats.drafted_at = 59  # had it drafted last round, the same drafts would pay
+    assert plan_depths([seq], c, 4) != [0]
+    seq.params = SamplingParams(temperature=0.0, max_tokens=1000)
+    seq.stats.drafted_at = 10  # with 940 tokens to go, catching up is paid back many times over
+    assert plan_depths([seq], c, 4) != [0]
 
 
 def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
