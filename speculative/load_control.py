@@ -175,8 +175,9 @@ class StepCosts:
             self.calibration = self.calibration_memory * self.calibration + (1 - self.calibration_memory) * ratio
 
     def acceptance_prior(self, default: float) -> float:
-        """The lane's recent acceptance, or `default` before it has drafted."""
-        return self.pooled_accepted / self.pooled_trials if self.pooled_trials >= 1.0 else default
+        """The lane's recent acceptance, leaning on `default` (4 decisions' worth) while it has few:
+        a lane whose first drafts all missed must not conclude that none will ever land."""
+        return (self.pooled_accepted + 4.0 * default) / (self.pooled_trials + 4.0)
 
     def observe_draft(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
         """A draft call that proposed `trees` for `seqs` took `seconds`.

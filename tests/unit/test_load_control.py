@@ -142,7 +142,7 @@ def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
     assert plan_depths(fresh, c, 4) != [0] * 4  # nothing pooled yet: the configured prior drafts
     for _ in range(50):  # drafts of 1 token, one in four kept
         c.observe_verify(fresh, [TokenTree.chain(3, [7])] * 4, 0.2, [1, 0, 0, 0])
-    assert c.acceptance_prior(0.7) == pytest.approx(0.25, abs=0.05)
+    assert c.acceptance_prior(0.7) == pytest.approx(0.25, abs=0.06)
     assert plan_depths(fresh, c, 4) == [0] * 4
     quoting = fresh[0].depth
     for _ in range(10):
@@ -165,3 +165,12 @@ def test_drafting_that_does_not_deliver_what_was_predicted_stops_and_is_tried_ag
         c.verify.observe(4, 0.2)
         c.observe_round(None, 4, 0.2)
     assert choose_depths(wants, acc, c, 4) != [0] * 4
+
+
+def test_a_lane_whose_first_drafts_missed_keeps_trying() -> None:
+    """Prompt lookup's first match after a chat prompt is often junk: one missed round must not set
+    the lane's acceptance (and so every sequence's) to zero for good."""
+    c = StepCosts()
+    seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), AdaptiveDepth(AdaptiveConfig()))
+    c.observe_verify([seq], [TokenTree.chain(3, [7, 8, 9, 10])], 0.2, [0])
+    assert c.acceptance_prior(0.7) == pytest.approx(0.56)
