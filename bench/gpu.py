@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--acceptances", default="0.6,0.8,0.9")
     parser.add_argument("--ks", default="2,4,6")
     parser.add_argument("--batches", default=None, help="batch sizes for the throughput section")
+    parser.add_argument("--only-batch", action="store_true", help="run the throughput-by-batch section alone")
     parser.add_argument(
         "--context",
         type=float,
@@ -150,14 +151,15 @@ def main() -> None:
         refs.extend(outputs)
         return row
 
-    row = sections.run("target", 0.15, target)
-    if row is None:
-        raise SystemExit("the target alone failed: nothing else can be measured")
-    t = row["T_ms"] / 1e3
-    oracle = sections.run("oracle", 0.45, lambda d: sec.oracle_grid(bench, prompts, refs, t, grid, d)) or []
-    verify = sections.run("verify", 0.2, lambda d: sec.verify_cost(bench, [1, 2, 3, 4, 5, 7, 8, 16, 32], d))
-    sections.run("projected", 1.0, lambda _d: sec.projected(oracle, verify or []))
-    sections.run("draft", 0.3, lambda d: sec.draft_cost(bench, prompts, oracle, t, d))
+    if not args.only_batch:
+        row = sections.run("target", 0.15, target)
+        if row is None:
+            raise SystemExit("the target alone failed: nothing else can be measured")
+        t = row["T_ms"] / 1e3
+        oracle = sections.run("oracle", 0.45, lambda d: sec.oracle_grid(bench, prompts, refs, t, grid, d)) or []
+        verify = sections.run("verify", 0.2, lambda d: sec.verify_cost(bench, [1, 2, 3, 4, 5, 7, 8, 16, 32], d))
+        sections.run("projected", 1.0, lambda _d: sec.projected(oracle, verify or []))
+        sections.run("draft", 0.3, lambda d: sec.draft_cost(bench, prompts, oracle, t, d))
     batches = [int(b) for b in args.batches.split(",")]
     sections.run("batch", 0.9, lambda d: sec.batched(bench, batches, 0.8, 4, d))
     sections.run("tp", 1.0, lambda _d: tensor_parallel_note())

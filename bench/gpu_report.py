@@ -63,7 +63,7 @@ def markdown(results: dict[str, Any]) -> str:
     batch = _section(results, "batch")
     if batch is not None:
         cols = ["batch", "acceptance", "k", "alone_tokens_per_s", "spec_tokens_per_s", "speedup", "L"]
-        cols += ["alone_step_ms", "spec_V_ms", "exact", "skipped"]
+        cols += ["alone_step_ms", "spec_V_ms", "exact", "adaptive_speedup", "adaptive_L", "adaptive_exact", "skipped"]
         text = _table(batch, cols) if isinstance(batch, list) else batch
         parts.append(f"## Throughput by batch size\n\n{text}")
     if "tp" in results:

@@ -17,8 +17,9 @@ from bench.forward_cost import forward_costs, sync
 from bench.oracle import OracleDrafter
 from speculative.adaptive import AdaptiveConfig, expected_tokens
 from speculative.decoder import Sequence, SpeculativeDecoder
-from speculative.drafters.base import Drafter
+from speculative.drafters.base import Drafter, Proposal
 from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.load_control import StepCosts
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
@@ -53,11 +54,14 @@ class Bench:
         return [torch.randint(0, self.vocab, (self.prompt_len,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_decoder(bench: Bench, drafter: Drafter | None, k: int, prompts: list[list[int]]) -> dict[str, Any]:
-    """All prompts as one batch; wall time includes the device's work (synchronized)."""
-    decoder = SpeculativeDecoder(
-        TargetVerifier(ModelRunner(bench.target)), drafter, AdaptiveConfig(enabled=False, max_depth=k)
-    )
+def run_decoder(
+    bench: Bench, drafter: Drafter | None, k: int, prompts: list[list[int]], load_adaptive: bool = False
+) -> dict[str, Any]:
+    """All prompts as one batch; wall time includes the device's work (synchronized). `load_adaptive`:
+    depths by acceptance and measured step costs (load_control.py) instead of always k."""
+    adaptive = AdaptiveConfig(enabled=load_adaptive, max_depth=k, draft_cost=0.0)
+    costs = StepCosts() if load_adaptive else None
+    decoder = _Traced(TargetVerifier(ModelRunner(bench.target)), drafter, adaptive, costs=costs)
     sync(bench.device)
     start = time.perf_counter()
     seqs: list[Sequence] = decoder.generate(prompts, bench.params)
@@ -73,7 +77,23 @@ def run_decoder(bench: Bench, drafter: Drafter | None, k: int, prompts: list[lis
         "accepted": sum(s.stats.accepted for s in seqs),
         "verify_s": decoder.times.verify / max(steps, 1),
         "draft_s": decoder.times.draft / max(steps, 1),
+        "rounds": decoder.rounds,  # per round: sequences, draft tokens, calibration after it
+        "verify_curve": {round(p.x): p.seconds for p in costs.verify.points.values()} if costs else None,
     }
+
+
+class _Traced(SpeculativeDecoder):
+    """The decoder, recording each round's size and draft tokens (what the load control chose)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rounds: list[tuple[int, int, float]] = []
+
+    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
+        proposals = super()._propose(seqs)
+        calibration = self.costs.calibration if self.costs else 1.0
+        self.rounds.append((len(seqs), sum(p.tree.size for p in proposals), round(calibration, 3)))
+        return proposals
 
 
 def single_stream(bench: Bench, drafter: Drafter | None, k: int, prompts: list[list[int]]) -> dict[str, Any]:
@@ -179,16 +199,20 @@ def draft_cost(
 
 
 def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline: float) -> list[dict[str, Any]]:
-    """Throughput of the target alone and of oracle speculation with B sequences in one batch."""
+    """Throughput of the target alone and of oracle speculation with B sequences in one batch, at a
+    fixed depth k and with depths chosen by load (adaptive). Prompt lengths are mixed (a quarter to
+    all of prompt_len), so the joining prefill runs as ragged groups (batching.ragged_groups)."""
     rows = []
     for size in sizes:
         if time.monotonic() > deadline:
             rows.append({"batch": size, "skipped": "time budget"})
             continue
         prompts = bench.make_prompts(size, seed=100 + size)
+        prompts = [p[: max(len(p) * (1 + i % 4) // 4, 1)] for i, p in enumerate(prompts)]  # mixed lengths
         alone = run_decoder(bench, None, 0, prompts)
-        oracle = OracleDrafter(alone["outputs"], acceptance, bench.vocab, seed=1)
-        spec = run_decoder(bench, oracle, k, prompts)
+        spec = run_decoder(bench, OracleDrafter(alone["outputs"], acceptance, bench.vocab, seed=1), k, prompts)
+        adapt = run_decoder(bench, OracleDrafter(alone["outputs"], acceptance, bench.vocab, seed=1), k, prompts, True)
+
         row = {
             "batch": size,
             "acceptance": acceptance,
@@ -198,12 +222,26 @@ def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline:
             "L": spec["tokens"] / spec["seq_steps"],
             "alone_step_ms": alone["seconds"] / alone["steps"] * 1e3,
             "spec_V_ms": spec["verify_s"] * 1e3,
-            "exact": f"{sum(o == r for o, r in zip(spec['outputs'], alone['outputs'], strict=True))}/{size}",
+            "exact": _exact(spec, alone),
+            "adaptive_tokens_per_s": adapt["tokens"] / adapt["seconds"],
+            "adaptive_L": adapt["tokens"] / adapt["seq_steps"],
+            "adaptive_exact": _exact(adapt, alone),
+            "adaptive_rounds": adapt["rounds"],
+            "adaptive_verify_curve": adapt["verify_curve"],
         }
         row["speedup"] = row["spec_tokens_per_s"] / row["alone_tokens_per_s"]
+        row["adaptive_speedup"] = row["adaptive_tokens_per_s"] / row["alone_tokens_per_s"]
         rows.append(row)
         print(f"  batch {size}: {_brief(row)}", flush=True)
+        print(f"    adaptive rounds (n, drafted, calibration): {adapt['rounds']}", flush=True)
+        print(f"    adaptive verify curve (tokens: s): {adapt['verify_curve']}", flush=True)
     return rows
+
+
+def _exact(run: dict[str, Any], reference: dict[str, Any]) -> str:
+    """How many of the run's outputs equal the reference run's, as 'k/n'."""
+    outputs = run["outputs"]
+    return f"{sum(o == r for o, r in zip(outputs, reference['outputs'], strict=True))}/{len(outputs)}"
 
 
 def projected(oracle_rows: list[dict[str, Any]], verify_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -58,7 +58,11 @@ def accept_greedy(
     target_scores: torch.Tensor,  # [n+1, V] logits after penalty, row i = next-token scores at node i
 ) -> Verdict:
     """Descend into the child equal to argmax p; the last token is argmax p where the walk stops."""
-    best = target_scores.argmax(-1).tolist()  # [n+1]
+    return follow_choices(tree, target_scores.argmax(-1).tolist())
+
+
+def follow_choices(tree: TokenTree, best: list[int]) -> Verdict:
+    """`accept_greedy` from the target's choice at each node (`best[i]`: argmax at node i, [n+1])."""
     node, accepted = 0, list[int]()
     while (child := _child_with_token(tree, node, best[node])) is not None:
         accepted.append(child)

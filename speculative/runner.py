@@ -110,11 +110,14 @@ class ModelRunner:
         tokens: list[list[int]],  # per row, the new tokens (rows may differ in length, may be empty)
         parents: list[list[int]],  # per row: -1 = committed end, j >= 0 = speculative column j
         logits_at: list[list[int]] | None = None,  # per row, indices into its new tokens
-    ) -> torch.Tensor | None:  # [B, m, V] float32 logits at `logits_at` (m = most asked); pads garbage
+        on_device: bool = False,
+    ) -> torch.Tensor | None:  # [B, m, V] logits at `logits_at` (m = most asked); pads garbage
         """Append tokens to the speculative region of every row and run one forward.
 
         Only the hidden states at `logits_at` go through the LM head (a prompt of 500 tokens and a
-        vocabulary of 150k would otherwise be 300 MB of logits); None computes no logits.
+        vocabulary of 150k would otherwise be 300 MB of logits); None computes no logits. Logits come
+        back as float32 on the CPU, or with `on_device` as the head computed them (model dtype, model
+        device), for callers that reduce them there first (greedy verification needs only argmax).
         """
         batch = len(self.rows)
         if len(tokens) != batch or len(parents) != batch:
@@ -153,7 +156,8 @@ class ModelRunner:
         dev = self.device
         index = index.to(dev)
         picked = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
-        return self._head(picked).float().cpu()  # [B, m, V]
+        logits = self._head(picked)  # [B, m, V]
+        return logits if on_device else logits.float().cpu()
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The transformer stack over [b, n] tokens of the rows now in `self.cache`; returns [b, n, H]."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speculative.acceptance import Verdict
+import torch
+
+from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
@@ -57,13 +59,24 @@ class TargetVerifier:
             parents[row] = chain_parents(off) + [p + off if p >= 0 else off - 1 for p in tree.runner_parents()]
             logits_at[row] = list(range(off, off + tree.size + 1))
             offsets.append(off)
-        logits = self.runner.forward(tokens, parents, logits_at)  # [B, n+1, V]
+        logits = self.runner.forward(tokens, parents, logits_at, on_device=True)  # [B, n+1, V], model's device
         assert logits is not None
+        # Greedy rows without penalties need only each node's argmax: taken where the logits are, so
+        # only [B, n+1] ids cross to the CPU; the others get float32 distributions there.
+        argmax_only = [item.params.greedy and not item.params.uses_penalty for item in items]
+        best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [B, n+1]
+        full = [row for row, a in zip(rows, argmax_only, strict=True) if not a]
+        index = torch.tensor(full, dtype=torch.long, device=logits.device)
+        host = dict(zip(full, logits[index].float().cpu(), strict=True)) if full else {}  # row -> [n+1, V]
         verdicts: list[Verdict] = []
         keep: list[list[int]] = [[] for _ in self.runner.rows]
-        for item, row, off in zip(items, rows, offsets, strict=True):
+        for item, row, off, a in zip(items, rows, offsets, argmax_only, strict=True):
             n = item.proposal.tree.size + 1
-            verdict = verify_tree(item.proposal, logits[row, :n], list(item.tokens), item.params)
+            if a:
+                assert best is not None
+                verdict = follow_choices(item.proposal.tree, best[row, :n].tolist())
+            else:
+                verdict = verify_tree(item.proposal, host[row][:n], list(item.tokens), item.params)
             verdicts.append(verdict)
             keep[row] = list(range(off)) + [off + node for node in verdict.path]
         self.runner.commit(keep)
