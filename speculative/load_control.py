@@ -30,10 +30,12 @@ size (draft, per unit of depth), interpolated between buckets, below the smalles
 slope (never below proportional to size), and above the largest along the last slope (flat from a
 single point: a size never tried is assumed to cost what the largest tried did, so it gets tried
 once and then priced by its own measurement). Before any measurement every sequence drafts
-min(want, cap). Every choice is weighed against the plain round, so its cost V(n) must be measured,
-not guessed: a lane that has always drafted has seen only larger forwards, and a plain round priced
-like them makes drafting look better than it is. When V(n) at the current size was never measured,
-or not in the last `refresh_rounds` verifies, the round is plain (capped sequences draft nothing).
+min(want, cap). A sequence's first round is its prefill alone (no draft, so speculation never delays
+a first token); under sampled drafts, where depth must not depend on load, it drafts from the first.
+Every choice is weighed against the plain round, so its cost V(n) must be measured, not guessed: a
+lane that has always drafted has seen only larger forwards, and a plain round priced like them makes
+drafting look better than it is. When V(n) at the current size was never measured, or not in the
+last `refresh_rounds` verifies, the round is plain (capped sequences draft nothing).
 
 What the model leaves out (a resumed sequence's draft catch-up, call overheads, optimistic
 acceptance) is learned as one factor: realized over predicted tokens/s of the drafting rounds,
@@ -129,6 +131,7 @@ class StepCosts:
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
     min_gain: float = 1.1  # draft only when the predicted rate beats the plain round's by this factor
+    probe_cost: float = 0.1  # a probe (one token from a sequence held at 0) may cost this much of its round
     calibration: float = 1.0  # realized over predicted tokens/s of drafting rounds (decayed)
     calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
     calibration_relax: float = 0.02  # per plain round, the calibration moves this far back toward 1
@@ -219,6 +222,7 @@ def choose_depths(
     overlapped: bool = False,
     capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
     catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
+    probes: list[bool] | None = None,  # [n] held at depth 0 for a while: try depth 1 if that is cheap
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -226,6 +230,10 @@ def choose_depths(
     token down to it is accepted) and `nodes_per_depth` tokens to the verify forward, so the best
     allocation of m draft tokens takes the m largest such gains; m is chosen by the measured costs.
     Before the costs are measured every sequence gets min(want, cap).
+
+    A sequence kept at depth 0 gathers no evidence, so an estimate that fell while the text was
+    unpredictable (a preamble before the quoted code) would hold it there for good: sequences due a
+    probe draft one token whenever that costs the round at most `probe_cost` of its rate.
     """
     costs.last_predicted = None
     n = len(wants)
@@ -261,6 +269,18 @@ def choose_depths(
         chosen[i] += 1
     if best_m:
         costs.last_predicted = best_rate / costs.calibration
+    due = [i for i, p in enumerate(probes or []) if p and capped[i] and min(wants[i], cap) and not chosen[i]]
+    if due:
+
+        def probing_rate(depths: list[int]) -> float:
+            expected = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
+            return _rate(expected, depths, costs, overlapped, catch)
+
+        floor = probing_rate(chosen) * (1 - costs.probe_cost)
+        for i in sorted(due, key=lambda i: -acceptances[i]):
+            chosen[i] = 1
+            if probing_rate(chosen) < floor:
+                chosen[i] = 0
     return chosen
 
 
@@ -285,6 +305,10 @@ def plan_depths(
     if costs is None:
         return [min(w, cap) for w in wants]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
+    # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
+    # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
+    # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
+    wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
     # a constant, so a workload the draft guesses badly does not draft on every arrival.
     prior = costs.acceptance_prior(seqs[0].depth.config.prior_acceptance) if seqs else 0.0
@@ -297,7 +321,9 @@ def plan_depths(
     ]
     catch_ups = [catch_up(s) for s in seqs]
     charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
-    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged)
+    # Held at 0 for probe_every rounds (the per-sequence probe period of adaptive.AdaptiveDepth).
+    probes = [s.stats.steps - s.stats.drafted_at > s.depth.config.probe_every for s in seqs]
+    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
     for s, d, c in zip(seqs, depths, catch_ups, strict=True):

@@ -108,6 +108,7 @@ def test_catching_up_is_priced_per_token_not_as_a_round() -> None:
     for a while: that call measures catching up per token, and a round that needs it pays for it."""
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     seq = Sequence("a", list(range(100)), greedy, AdaptiveDepth(AdaptiveConfig()))
+    seq.stats.steps = 1  # prefilled by the target (its first round), not yet by the draft model
     c = costs({1: 0.2, 2: 0.2, 8: 0.21}, {})
     assert plan_depths([seq], c, 2) == [2]  # unmeasured: drafts, and records its catch-up (the prompt)
     assert seq.stats.draft_catch_up == 100
@@ -139,6 +140,8 @@ def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
     config = AdaptiveConfig()
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     fresh = [Sequence(f"s{i}", [1, 2, 3], greedy, AdaptiveDepth(config)) for i in range(4)]
+    for seq in fresh:
+        seq.stats.steps = 1  # past their prefill round
     assert plan_depths(fresh, c, 4) != [0] * 4  # nothing pooled yet: the configured prior drafts
     for _ in range(50):  # drafts of 1 token, one in four kept
         c.observe_verify(fresh, [TokenTree.chain(3, [7])] * 4, 0.2, [1, 0, 0, 0])
@@ -149,6 +152,26 @@ def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
         quoting.update(4, 4)  # this sequence's own drafts all land
     assert plan_depths(fresh, c, 4)[0] > 0
     assert quoting.acceptance_with(0.7) == pytest.approx(quoting.acceptance)
+
+
+def test_a_sequence_s_first_round_is_its_prefill_alone() -> None:
+    """Drafting in a prompt's first round would have the draft model prefill it before the target
+    starts: the first token (and a batch's whole round) waits. Greedy sequences draft from round two;
+    sampled drafts, whose depth must not depend on load, keep theirs."""
+    c = costs({1: 0.2, 2: 0.2, 4: 0.2, 16: 0.2, 64: 0.25}, {1: 0.01, 4: 0.01})
+    joining = Sequence(
+        "new", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig())
+    )
+    running = Sequence(
+        "old", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig())
+    )
+    running.stats.steps, running.stats.drafted_at = 5, 4  # drafted last round: nothing to catch up
+    assert plan_depths([joining], c, 4) == [0]
+    depths = plan_depths([joining, running], c, 4)
+    assert depths[0] == 0 and depths[1] > 0
+    assert plan_depths([joining], None, 4) != [0]  # no load control: depth by acceptance alone
+    sampled = Sequence("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig()))
+    assert plan_depths([sampled], c, 4) != [0]
 
 
 def test_drafting_that_does_not_deliver_what_was_predicted_stops_and_is_tried_again_later() -> None:
@@ -174,3 +197,23 @@ def test_a_lane_whose_first_drafts_missed_keeps_trying() -> None:
     seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), AdaptiveDepth(AdaptiveConfig()))
     c.observe_verify([seq], [TokenTree.chain(3, [7, 8, 9, 10])], 0.2, [0])
     assert c.acceptance_prior(0.7) == pytest.approx(0.56)
+
+
+def test_a_sequence_held_at_zero_probes_when_a_probe_is_cheap() -> None:
+    """A sequence whose estimate fell during a preamble would otherwise never draft again, although
+    the quoted code it writes next is what its drafter guesses best: every `probe_every` rounds at 0
+    it drafts one token, if that costs the round at most `probe_cost` of its rate."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=200)
+    seq = Sequence("a", [1, 2, 3], greedy, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0, probe_every=8)))
+    seq.depth.accepted, seq.depth.trials, seq.depth.prior_weight = 1.5, 10.0, 0.0  # acceptance 0.15
+    seq.stats.steps, seq.stats.drafted_at = 20, 19
+    # Prompt lookup (free drafts); a second token costs the forward 15 %: drafting at a = 0.15 does
+    # not clear min_gain, a probe costs less than probe_cost.
+    mild = costs({1: 0.2, 2: 0.23, 4: 0.24, 8: 0.25}, {1: 0.0001})
+    assert plan_depths([seq], mild, 4) == [0]  # drafted last round: no probe yet
+    seq.stats.drafted_at = 11  # 9 rounds at 0
+    assert plan_depths([seq], mild, 4) == [1]
+    assert seq.stats.drafted_at == 20  # the probe counts as drafting: the next one is 8 rounds away
+    seq.stats.drafted_at = 11
+    steep = costs({1: 0.2, 2: 0.4, 4: 0.45, 8: 0.5}, {1: 0.0001})  # a second token doubles the forward
+    assert plan_depths([seq], steep, 4) == [0]
