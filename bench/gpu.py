@@ -156,7 +156,7 @@ def main() -> None:
         if row is None:
             raise SystemExit("the target alone failed: nothing else can be measured")
         t = row["T_ms"] / 1e3
-        oracle = sections.run("oracle", 0.45, lambda d: sec.oracle_grid(bench, prompts, refs, t, grid, d)) or []
+        oracle = sections.run("oracle", 0.45, lambda d: sec.oracle_grid(bench, prompts, refs, grid, d)) or []
         verify = sections.run("verify", 0.2, lambda d: sec.verify_cost(bench, [1, 2, 3, 4, 5, 7, 8, 16, 32], d))
         sections.run("projected", 1.0, lambda _d: sec.projected(oracle, verify or []))
         sections.run("draft", 0.3, lambda d: sec.draft_cost(bench, prompts, oracle, t, d))

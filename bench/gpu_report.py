@@ -24,7 +24,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Models {setup.get('shapes')} built from config with random weights "
         f"(random_models.confident_init), {setup.get('dtype')} on {setup.get('device')}, built in "
         f"{setup.get('build_s', 0):.1f} s. Greedy; our decoder (speculative/), no Ray. T = target-alone "
-        "seconds per token; V, D = verify and draft seconds per step; L = tokens per target step; "
+        "seconds per token (in the oracle table, measured just before each row); V, D = verify and draft "
+        "seconds per step; L = tokens per target step; "
         "bound = L*T/(V+D); efficiency = speedup / bound; exact = outputs equal to the target alone's."
     ]
     target = _section(results, "target")
@@ -33,7 +34,7 @@ def markdown(results: dict[str, Any]) -> str:
     elif target:
         parts.append(f"## Target alone\n\n{target}")
     oracle = _section(results, "oracle")
-    oracle_cols = ["acceptance", "k", "measured_acceptance", "L", "L_expected", "V_ms", "D_ms", "tokens_per_s"]
+    oracle_cols = ["acceptance", "k", "T_ms", "measured_acceptance", "L", "L_expected", "V_ms", "D_ms", "tokens_per_s"]
     oracle_cols += ["speedup", "bound", "efficiency", "exact", "skipped"]
     if oracle is not None:
         text = _table(oracle, oracle_cols) if isinstance(oracle, list) else oracle
