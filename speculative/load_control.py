@@ -131,10 +131,12 @@ class StepCosts:
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
     min_gain: float = 1.1  # draft only when the predicted rate beats the plain round's by this factor
-    probe_cost: float = 0.1  # a probe (one token from a sequence held at 0) may cost this much of its round
+    probe_cost: float = 0.1  # a probe round may cost this much more than the round it replaces
+    probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
+    rounds: int = 0  # rounds planned
     calibration: float = 1.0  # realized over predicted tokens/s of drafting rounds (decayed)
     calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
-    calibration_relax: float = 0.02  # per plain round, the calibration moves this far back toward 1
+    calibration_relax: float = 0.005  # per plain round, the calibration moves this far back toward 1
     last_predicted: float | None = None  # predicted tokens/s of the round just planned; None if plain
     draft_token: float | None = None  # seconds per token the draft model catches up on (decayed mean)
     pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
@@ -222,7 +224,7 @@ def choose_depths(
     overlapped: bool = False,
     capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
     catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
-    probes: list[bool] | None = None,  # [n] held at depth 0 for a while: try depth 1 if that is cheap
+    probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -233,7 +235,9 @@ def choose_depths(
 
     A sequence kept at depth 0 gathers no evidence, so an estimate that fell while the text was
     unpredictable (a preamble before the quoted code) would hold it there for good: sequences due a
-    probe draft one token whenever that costs the round at most `probe_cost` of its rate.
+    probe draft one token if, catch-up paid in full, that makes the round at most `probe_cost`
+    longer. Probes come in rounds of their own (`plan_depths`), so under load they share one padded
+    forward and one draft call instead of taxing every round.
     """
     costs.last_predicted = None
     n = len(wants)
@@ -269,30 +273,31 @@ def choose_depths(
         chosen[i] += 1
     if best_m:
         costs.last_predicted = best_rate / costs.calibration
-    due = [i for i, p in enumerate(probes or []) if p and capped[i] and min(wants[i], cap) and not chosen[i]]
+    due = [i for i in probes or {} if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:
-
-        def probing_rate(depths: list[int]) -> float:
-            expected = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
-            return _rate(expected, depths, costs, overlapped, catch)
-
-        floor = probing_rate(chosen) * (1 - costs.probe_cost)
+        assert probes is not None
+        full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
+        limit = _seconds(chosen, costs, overlapped, full) * (1 + costs.probe_cost)
         for i in sorted(due, key=lambda i: -acceptances[i]):
             chosen[i] = 1
-            if probing_rate(chosen) < floor:
+            if _seconds(chosen, costs, overlapped, full) > limit:
                 chosen[i] = 0
     return chosen
 
 
 def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
     """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
+    return tokens / max(_seconds(depths, costs, overlapped, catch), 1e-9)
+
+
+def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
+    """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence."""
     verify = costs.verify(padded_tokens([1 + round(costs.nodes_per_depth * d) for d in depths])) or 0.0
     drafting = sum(1 for d in depths if d)  # the draft round runs over these sequences only
     draft = (costs.draft_step(drafting) or 0.0) * max(depths) if drafting else 0.0
     if drafting and costs.draft_token:
         draft += costs.draft_token * sum(c for c, d in zip(catch, depths, strict=True) if d)
-    seconds = max(verify, draft) if overlapped else verify + draft
-    return tokens / max(seconds, 1e-9)
+    return max(verify, draft) if overlapped else verify + draft
 
 
 def plan_depths(
@@ -321,8 +326,14 @@ def plan_depths(
     ]
     catch_ups = [catch_up(s) for s in seqs]
     charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
-    # Held at 0 for probe_every rounds (the per-sequence probe period of adaptive.AdaptiveDepth).
-    probes = [s.stats.steps - s.stats.drafted_at > s.depth.config.probe_every for s in seqs]
+    # Every probe_every-th round is a probe round for sequences that have not drafted for as long.
+    costs.rounds += 1
+    probing = costs.rounds % costs.probe_every == 0
+    probes = {
+        i: float(c)
+        for i, (s, c) in enumerate(zip(seqs, catch_ups, strict=True))
+        if probing and s.stats.steps - s.stats.drafted_at > costs.probe_every
+    }
     depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
