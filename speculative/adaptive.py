@@ -40,6 +40,13 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def tally(accepted: float, trials: float, memory: float, proposed: int, kept: int) -> tuple[float, float]:
+    """Decayed (accepted, trials) after a step that kept `kept` of `proposed` draft levels: each kept
+    level is an accepted decision, the first rejected one (if any) a rejected one."""
+    rejected = 1.0 if kept < proposed else 0.0
+    return memory * accepted + kept, memory * trials + kept + rejected
+
+
 def best_depth(acceptance: float, config: AdaptiveConfig) -> int:
     """The k in 0..max_depth with the most tokens per unit of cost."""
 
@@ -85,7 +92,6 @@ class AdaptiveDepth:
         """Record a step: `accepted_depth` of `proposed_depth` draft levels kept."""
         if proposed_depth == 0:
             return
-        rejected = 1.0 if accepted_depth < proposed_depth else 0.0
-        self.accepted = self.config.memory * self.accepted + accepted_depth
-        self.trials = self.config.memory * self.trials + accepted_depth + rejected
+        memory = self.config.memory
+        self.accepted, self.trials = tally(self.accepted, self.trials, memory, proposed_depth, accepted_depth)
         self.prior_weight *= self.config.memory

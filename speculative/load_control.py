@@ -57,7 +57,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from speculative.adaptive import expected_tokens
+from speculative.adaptive import expected_tokens, tally
 from speculative.batching import padded_tokens
 from speculative.tree import TokenTree
 
@@ -161,10 +161,9 @@ class StepCosts:
         self.verify.observe(padded_tokens(lengths), seconds)
         for tree, kept in zip(trees, accepted, strict=False):
             proposed = max(tree.depths)
-            if proposed:  # the rule of adaptive.AdaptiveDepth.update, over every sequence of the lane
-                rejected = 1.0 if kept < proposed else 0.0
-                self.pooled_accepted = self.pooled_memory * self.pooled_accepted + kept
-                self.pooled_trials = self.pooled_memory * self.pooled_trials + kept + rejected
+            if proposed:  # the tally of adaptive.AdaptiveDepth.update, over every sequence of the lane
+                pooled = self.pooled_accepted, self.pooled_trials
+                self.pooled_accepted, self.pooled_trials = tally(*pooled, self.pooled_memory, proposed, kept)
 
     def observe_round(self, predicted: float | None, tokens: int, seconds: float) -> None:
         """A planned round ended: `tokens` committed in `seconds` of verify and draft compute.
