@@ -146,6 +146,23 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def by_prompt(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """Speedup over the target alone per prompt: one row per dtype and method, one column per prompt
+    (with the acceptance length where the method has one), e.g. prompt lookup on code editing."""
+    table = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        base = {r["prompt"]: r for r in rows if r["dtype"] == dtype and r["method"] == "target"}
+        for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "target"):
+            cells: list[Any] = [dtype, method]
+            for r in (r for r in rows if r["dtype"] == dtype and r["method"] == method):
+                t = base[r["prompt"]]
+                speedup = (len(r["tokens"]) / r["seconds"]) / (len(t["tokens"]) / t["seconds"])
+                length = f" (L {r['acceptance_length']:.2f})" if "acceptance_length" in r else ""
+                cells.append(f"{speedup:.2f}{length}")
+            table.append(cells)
+    return table
+
+
 def plot(summary: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -227,7 +244,11 @@ def main() -> None:
     stem = report.write(
         args.output,
         {"args": vars(args), "summary": summary, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
-        notes + report.markdown_table(columns, table) + f"\n\n![speedup]({args.output}.png)",
+        notes
+        + report.markdown_table(columns, table)
+        + "\n\nSpeedup over the target alone by prompt (acceptance length L):\n\n"
+        + report.markdown_table(["dtype", "method", *PROMPTS], by_prompt(rows))
+        + f"\n\n![speedup]({args.output}.png)",
     )
     plot(summary, f"{stem}.png")
     print(report.markdown_table(columns, table))
