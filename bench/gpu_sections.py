@@ -159,7 +159,7 @@ def oracle_grid(
         oracle = OracleDrafter(refs, acceptance, bench.vocab, seed=1)
         run = single_stream(bench, oracle, k, prompts)
         row = {"T_ms": t * 1e3, **oracle_row(bench, run, oracle, k, t)}
-        row["exact"] = f"{sum(o == r for o, r in zip(run['outputs'], refs, strict=True))}/{len(refs)}"
+        row["exact"] = _exact(run["outputs"], refs)
         rows.append(row)
         print(f"  oracle a={acceptance} k={k}: {_brief(row)}", flush=True)
     return rows
@@ -217,7 +217,6 @@ def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline:
         alone = run_decoder(bench, None, 0, prompts)
         spec = run_decoder(bench, OracleDrafter(alone["outputs"], acceptance, bench.vocab, seed=1), k, prompts)
         adapt = run_decoder(bench, OracleDrafter(alone["outputs"], acceptance, bench.vocab, seed=1), k, prompts, True)
-
         row = {
             "batch": size,
             "acceptance": acceptance,
@@ -227,10 +226,10 @@ def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline:
             "L": spec["tokens"] / spec["seq_steps"],
             "alone_step_ms": alone["seconds"] / alone["steps"] * 1e3,
             "spec_V_ms": spec["verify_s"] * 1e3,
-            "exact": _exact(spec, alone),
+            "exact": _exact(spec["outputs"], alone["outputs"]),
             "adaptive_tokens_per_s": adapt["tokens"] / adapt["seconds"],
             "adaptive_L": adapt["tokens"] / adapt["seq_steps"],
-            "adaptive_exact": _exact(adapt, alone),
+            "adaptive_exact": _exact(adapt["outputs"], alone["outputs"]),
             "adaptive_rounds": adapt["rounds"],
             "adaptive_verify_curve": adapt["verify_curve"],
         }
@@ -243,10 +242,9 @@ def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline:
     return rows
 
 
-def _exact(run: dict[str, Any], reference: dict[str, Any]) -> str:
-    """How many of the run's outputs equal the reference run's, as 'k/n'."""
-    outputs = run["outputs"]
-    return f"{sum(o == r for o, r in zip(outputs, reference['outputs'], strict=True))}/{len(outputs)}"
+def _exact(outputs: list[list[int]], references: list[list[int]]) -> str:
+    """How many outputs equal their reference, as 'k/n'."""
+    return f"{sum(o == r for o, r in zip(outputs, references, strict=True))}/{len(outputs)}"
 
 
 def projected(oracle_rows: list[dict[str, Any]], verify_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -272,9 +272,9 @@ def choose_depths(
         chosen[i] += 1
     if best_m:
         costs.last_predicted = best_rate / costs.calibration
-    due = [i for i in probes or {} if capped[i] and min(wants[i], cap) and not chosen[i]]
+    probes = probes or {}
+    due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:
-        assert probes is not None
         full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
         limit = _seconds(chosen, costs, overlapped, full) * (1 + costs.probe_cost)
         for i in sorted(due, key=lambda i: -acceptances[i]):
@@ -327,12 +327,10 @@ def plan_depths(
     charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
     # Every probe_every-th round is a probe round for sequences that have not drafted for as long.
     costs.rounds += 1
-    probing = costs.rounds % costs.probe_every == 0
-    probes = {
-        i: float(c)
-        for i, (s, c) in enumerate(zip(seqs, catch_ups, strict=True))
-        if probing and s.stats.steps - s.stats.drafted_at > costs.probe_every
-    }
+    probes: dict[int, float] = {}
+    if costs.rounds % costs.probe_every == 0:
+        held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > costs.probe_every)
+        probes = {i: float(catch_ups[i]) for i in held}
     depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None

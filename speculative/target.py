@@ -16,7 +16,7 @@ from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
-from speculative.verify import verify_tree
+from speculative.verify import argmax_decides, verify_tree
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,13 @@ class TargetVerifier:
         assert logits is not None
         # Greedy rows without penalties need only each node's argmax: taken where the logits are, so
         # only [B, n+1] ids cross to the CPU; the others get float32 distributions there.
-        argmax_only = [item.params.greedy and not item.params.uses_penalty for item in items]
+        argmax_only = [argmax_decides(item.params) for item in items]
         best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [B, n+1]
         full = [row for row, a in zip(rows, argmax_only, strict=True) if not a]
-        index = torch.tensor(full, dtype=torch.long, device=logits.device)
-        host = dict(zip(full, logits[index].float().cpu(), strict=True)) if full else {}  # row -> [n+1, V]
+        host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU
+        if full:
+            index = torch.tensor(full, dtype=torch.long, device=logits.device)
+            host = dict(zip(full, logits[index].float().cpu(), strict=True))
         verdicts: list[Verdict] = []
         keep: list[list[int]] = [[] for _ in self.runner.rows]
         for item, row, off, a in zip(items, rows, offsets, argmax_only, strict=True):

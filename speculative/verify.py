@@ -16,6 +16,12 @@ from speculative.rng import KeyedDraws, Stream
 from speculative.sampling import SamplingParams, apply_repetition_penalty, context_seen, probs_from_logits
 
 
+def argmax_decides(params: SamplingParams) -> bool:
+    """True when a verdict depends only on each node's argmax (greedy, no penalty), so a caller may
+    reduce logits to argmax where they are and use `acceptance.follow_choices`."""
+    return params.greedy and not params.uses_penalty
+
+
 def verify_tree(
     proposal: Proposal,
     logits: torch.Tensor,  # [n+1, V] target logits at the tree's nodes, node order
