@@ -206,7 +206,7 @@ def draft_cost(
 def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline: float) -> list[dict[str, Any]]:
     """Throughput of the target alone and of oracle speculation with B sequences in one batch, at a
     fixed depth k and with depths chosen by load (adaptive). Prompt lengths are mixed (a quarter to
-    all of prompt_len), so the joining prefill runs as ragged groups (batching.ragged_groups)."""
+    all of prompt_len), so the joining prefill is packed beside the decodes (speculative/packing.py)."""
     rows = []
     for size in sizes:
         if time.monotonic() > deadline:

@@ -1,22 +1,20 @@
-"""Which rows of a batch run in one forward: padding to the longest row against a forward's fixed cost.
+"""Which rows of a packed forward attend together: padding queries to the longest row against a call's cost.
 
-The runner pads every row of a forward to its longest; a prompt joining beside one-token decodes
-would make every row cost a prompt. Splitting into separate forwards costs each one a fixed
-overhead (weights read once more: on this CPU a forward of 32 tokens costs about twice one of 1,
-MODELS.md). The load control prices rounds by the same positions the runner computes.
+The runner packs every row's new tokens into one row (`packing`), so projections and MLPs compute
+exactly the tokens given; only attention works per row, on queries padded to the longest row of
+the call. A prompt attended beside one-token decodes would pad every decode to a prompt's length,
+while each extra call (per layer) has a fixed cost: rows are grouped to make the sum least.
 """
 
 from __future__ import annotations
 
 import math
 
-FORWARD_OVERHEAD_TOKENS = 32  # a forward's fixed cost, in tokens' worth of compute (CPU, Qwen 1.5B bf16)
 
+def ragged_groups(lengths: list[int], overhead: int) -> list[list[int]]:
+    """Rows to run together, so that padding plus per-call overhead is least.
 
-def ragged_groups(lengths: list[int], overhead: int = FORWARD_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Rows to run together, so that padding plus per-forward overhead is least.
-
-    A forward over rows g costs about overhead + |g| * max(lengths[g]) tokens' worth (every row is
+    A call over rows g costs about overhead + |g| * max(lengths[g]) tokens' worth (every row is
     padded to the longest). Rows of equal length never gain from a split, and with distinct lengths
     sorted the best split is into runs of neighbours: a small dynamic programme over the distinct
     lengths. Rows with no tokens are left out; one group when nothing is gained. Longest group first,
@@ -39,10 +37,3 @@ def ragged_groups(lengths: list[int], overhead: int = FORWARD_OVERHEAD_TOKENS) -
         j = cut[j]
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
     return [[r for r in order if lengths[r] in span] for span in spans[::-1]]
-
-
-def padded_tokens(lengths: list[int], overhead: int = FORWARD_OVERHEAD_TOKENS) -> int:
-    """What the runner's forwards over rows of these lengths cost, in tokens' worth: the positions it
-    computes (padding included) and the fixed overhead of each forward beyond the first."""
-    groups = ragged_groups(lengths, overhead)
-    return sum(len(g) * lengths[g[0]] for g in groups) + overhead * max(len(groups) - 1, 0)  # g[0]: longest

@@ -11,9 +11,10 @@ chooses depths d_i <= min(want_i, cap) maximising the round's goodput
                  (max(V, D + C...) when overlapped)
 
 where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, w the tree nodes
-drafted per unit of depth (1 for chains), P the token positions the runner computes for rows of
-those lengths (each forward pads its rows to the longest: `batching.padded_tokens`), V(x) the
-measured seconds of a verify forward over x positions, D(n, k) of a k-deep draft round over n
+drafted per unit of depth (1 for chains), P the tokens the runner computes for rows of those
+lengths (their sum: a forward packs its rows, `packing`, so a drafted token costs one token's
+compute whatever the batch, not a row's worth of padding), V(x) the measured seconds of a verify
+forward over x tokens, D(n, k) of a k-deep draft round over n
 sequences, c_i the tokens the draft model must catch up on before sequence i drafts (its prompt if
 it never drafted, every token since if it stopped: `catch_up`), spread over the rounds the sequence
 has left (it is paid once), and C the measured seconds per caught-up token. Drafting is chosen
@@ -58,7 +59,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from speculative.adaptive import expected_tokens, tally
-from speculative.batching import padded_tokens
 from speculative.tree import TokenTree
 
 CATCH_UP_MEASURED = 8  # catch-up tokens in a draft call from which it prices catching up, not a round
@@ -158,7 +158,7 @@ class StepCosts:
         load with requests arriving they are most rounds, and the only ones at large sizes.
         """
         lengths = [t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True)]
-        self.verify.observe(padded_tokens(lengths), seconds)
+        self.verify.observe(sum(lengths), seconds)
         for tree, kept in zip(trees, accepted, strict=False):
             proposed = max(tree.depths)
             if proposed:  # the tally of adaptive.AdaptiveDepth.update, over every sequence of the lane
@@ -235,7 +235,7 @@ def choose_depths(
     A sequence kept at depth 0 gathers no evidence, so an estimate that fell while the text was
     unpredictable (a preamble before the quoted code) would hold it there for good: sequences due a
     probe draft one token if, catch-up paid in full, that makes the round at most `probe_cost`
-    longer. Probes come in rounds of their own (`plan_depths`), so under load they share one padded
+    longer. Probes come in rounds of their own (`plan_depths`), so under load they share one
     forward and one draft call instead of taxing every round.
     """
     costs.last_predicted = None
@@ -291,7 +291,7 @@ def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, 
 
 def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
     """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence."""
-    verify = costs.verify(padded_tokens([1 + round(costs.nodes_per_depth * d) for d in depths])) or 0.0
+    verify = costs.verify(sum(1 + round(costs.nodes_per_depth * d) for d in depths)) or 0.0
     drafting = sum(1 for d in depths if d)  # the draft round runs over these sequences only
     draft = (costs.draft_step(drafting) or 0.0) * max(depths) if drafting else 0.0
     if drafting and costs.draft_token:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from speculative.batching import FORWARD_OVERHEAD_TOKENS, ragged_groups
+from speculative.packing import ATTENTION, PackedCache, Packing
 
 
 @dataclass
@@ -41,11 +41,11 @@ class _Speculative:
 class ModelRunner:
     """Batched prefill, decode and tree verification with commit/rollback, for any HF causal LM."""
 
-    def __init__(self, model: PreTrainedModel, forward_overhead_tokens: int = FORWARD_OVERHEAD_TOKENS) -> None:
-        """`forward_overhead_tokens`: the fixed cost of one forward, in tokens' worth of compute; rows whose
-        lengths differ by more than this run as separate forwards instead of padding to the longest."""
+    def __init__(self, model: PreTrainedModel) -> None:
+        """Sets the model's attention to `packing.ATTENTION` (SDPA, packed-aware; other callers of the
+        model, e.g. `generate`, get plain SDPA through it)."""
+        model.set_attn_implementation(ATTENTION)
         self.model = model.eval()
-        self.forward_overhead_tokens = forward_overhead_tokens
         self._base = model.base_model  # the transformer stack, without the LM head
         self._head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
@@ -54,7 +54,7 @@ class ModelRunner:
         self.rows: list[str] = []  # sequence id of each row
         self.lens = torch.zeros(0, dtype=torch.long)  # [B] committed tokens in cache
         self.cached: list[list[int]] = []  # committed token ids in cache, per row
-        self.cache = DynamicCache(config=model.config)
+        self.cache = PackedCache(config=model.config)
         self.spec = _Speculative.empty(0)
 
     # ---- rows -------------------------------------------------------------------------
@@ -141,77 +141,43 @@ class ModelRunner:
         mask = self._attention_mask(start, n)  # [B, 1, n, width + S]
         positions = self.lens[:, None] + self.spec.depths[:, start:]  # [B, n]
         lengths = [len(t) for t in tokens]
-        # Before the cache holds anything every row goes in one forward (it sets the cache's batch).
-        groups = ragged_groups(lengths, self.forward_overhead_tokens) if self._layers() else [list(range(batch))]
-        if len(groups) == 1 and len(groups[0]) == batch:
-            hidden = self._run(new_tokens, positions, mask)  # [B, n, H]
-        else:
-            hidden = self._run_groups(groups, lengths, new_tokens, positions, mask)
+        hidden = self._run(lengths, new_tokens[valid], positions[valid], mask)  # [T, H], T = sum(lengths)
         if logits_at is None:
             return None
         m = max((len(a) for a in logits_at), default=0)
-        index = torch.zeros(batch, max(m, 1), dtype=torch.long)  # [B, m]
-        for b, at in enumerate(logits_at):
-            index[b, : len(at)] = torch.tensor(at, dtype=torch.long)
+        offsets = [sum(lengths[:b]) for b in range(batch)]
+        slots = [b * m + j for b, at in enumerate(logits_at) for j in range(len(at))]  # in the flat [B * m]
+        asked = [min(a + offsets[b], len(hidden) - 1) for b, at in enumerate(logits_at) for a in at]  # packed
         dev = self.device
-        index = index.to(dev)
-        picked = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
-        logits = self._head(picked)  # [B, m, V]
+        picked = hidden[torch.tensor(asked, dtype=torch.long, device=dev)]  # [P, H], P = asked in all rows
+        flat = self._head(picked[None])[0]  # [P, V] (a batch dimension: DeepSpeed's sharded head wants one)
+        logits = flat.new_zeros(batch * max(m, 1), flat.shape[-1])
+        logits[torch.tensor(slots, dtype=torch.long, device=dev)] = flat
+        logits = logits.view(batch, max(m, 1), -1)  # [B, m, V]; pads zero (past a row's tokens: garbage)
         return logits if on_device else logits.float().cpu()
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The transformer stack over [b, n] tokens of the rows now in `self.cache`; returns [b, n, H]."""
-        dev = self.device
-        out = self._base(
-            input_ids=tokens.to(dev),
-            position_ids=positions.to(dev),
-            attention_mask=mask.to(dev),
-            cache=self.cache,
-            use_cache=True,
-        )
-        return out.last_hidden_state
-
-    def _run_groups(
+    def _run(
         self,
-        groups: list[list[int]],  # row indices per forward; rows in none of them add no tokens
         lengths: list[int],  # [B] new tokens per row
-        tokens: torch.Tensor,  # [B, n]
-        positions: torch.Tensor,  # [B, n]
-        mask: torch.Tensor,  # [B, 1, n, C + n], C = cached columns before this call
-    ) -> torch.Tensor:  # [B, n, H]; zeros where a row had no token
-        """One forward per group of rows, each padded only to its own longest row.
-
-        Each group runs on its rows' slice of the cache and writes its new keys and values into the
-        same columns C..C+n_g-1 that one forward over all rows would have used; the columns a row
-        did not fill stay zero and masked (they are pads, as in a single padded forward).
-        """
-        layers = self._layers()
-        full = [(layer.keys, layer.values) for layer in layers]  # [B, heads, C, D] each
-        cached = full[0][0].shape[2]
-        n = tokens.shape[1]
-        if mask.shape[-1] != cached + n:
-            raise RuntimeError(f"cache holds {cached} columns but the mask expects {mask.shape[-1] - n}")
-        grown = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], n, t.shape[3])], dim=2) for t in kv) for kv in full]
-        hidden: torch.Tensor | None = None
+        tokens: torch.Tensor,  # [T] the rows' new tokens, row by row
+        positions: torch.Tensor,  # [T] their position ids
+        mask: torch.Tensor,  # [B, 1, n, C + n]
+    ) -> torch.Tensor:  # [T, H]
+        """The transformer stack over the rows' new tokens as one packed row (`packing`: no padding)."""
+        dev = self.device
+        pack = Packing.of(lengths, mask, dev)
+        self.cache.packing = pack
         try:
-            for rows in groups:
-                m = max(lengths[r] for r in rows)
-                index = torch.tensor(rows, dtype=torch.long)
-                dev_index = index.to(self.device)
-                for layer, (k, v) in zip(layers, full, strict=True):
-                    layer.keys, layer.values = k[dev_index], v[dev_index]
-                h = self._run(tokens[index, :m], positions[index, :m], mask[index, :, :m, : cached + m])  # [b, m, H]
-                for layer, (k, v) in zip(layers, grown, strict=True):
-                    k[dev_index, :, cached : cached + m] = layer.keys[:, :, cached : cached + m]
-                    v[dev_index, :, cached : cached + m] = layer.values[:, :, cached : cached + m]
-                if hidden is None:
-                    hidden = h.new_zeros(len(self.rows), n, h.shape[-1])
-                hidden[dev_index, :m] = h
+            out = self._base(
+                input_ids=tokens[None].to(dev),
+                position_ids=positions[None].to(dev),
+                attention_mask=pack.mask,
+                cache=self.cache,
+                use_cache=True,
+            )
         finally:
-            for layer, (k, v) in zip(layers, grown, strict=True):
-                layer.keys, layer.values = k, v
-        assert hidden is not None
-        return hidden
+            self.cache.packing = None
+        return out.last_hidden_state[0]
 
     def _extend_speculation(self, new_tokens: torch.Tensor, new_parents: torch.Tensor) -> None:
         batch, n = new_tokens.shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculative import packing
 from speculative.batching import ragged_groups
 from speculative.drafters.base import Proposal
 from speculative.runner import ModelRunner, chain_parents
@@ -103,7 +104,7 @@ def test_verifier_reprefills_a_sequence_it_has_not_seen(model):
     assert got[0].tokens == cold[0].tokens == (expected,)
 
 
-def test_ragged_groups_split_only_when_padding_costs_more_than_a_forward():
+def test_ragged_groups_split_only_when_padding_costs_more_than_a_call():
     assert ragged_groups([1, 1, 1], overhead=32) == [[0, 1, 2]]
     assert ragged_groups([1, 80, 0, 2], overhead=32) == [[1], [3, 0]]  # idle row 2 left out
     assert ragged_groups([1, 80, 2], overhead=200) == [[1, 2, 0]]  # a forward costs more than the pads
@@ -111,10 +112,12 @@ def test_ragged_groups_split_only_when_padding_costs_more_than_a_forward():
 
 
 @pytest.mark.parametrize("overhead", [0, 1000])
-def test_ragged_rows_in_separate_forwards_equal_one_padded_forward(model, overhead):
-    """A long prefill beside short drafts, some rows idle: grouped or padded, every row's logits and
-    cache are those of the row alone, through several speculative forwards and a commit."""
-    runner = ModelRunner(model, forward_overhead_tokens=overhead)
+def test_packed_ragged_rows_equal_each_row_alone(model, overhead, monkeypatch):
+    """A long prefill beside short drafts, some rows idle, packed into one row of their tokens and
+    attended in groups by length or all together: every row's logits and cache are those of the row
+    alone, through several speculative forwards and a commit."""
+    monkeypatch.setattr(packing, "ATTENTION_GROUP_OVERHEAD", overhead)
+    runner = ModelRunner(model)
     runner.add_rows(["a", "b", "c", "d"])
     runner.extend([p[:-1] for p in PROMPTS] + [[]])  # row d holds nothing yet
     long = list(range(30, 70))
@@ -134,3 +137,23 @@ def test_ragged_rows_in_separate_forwards_equal_one_padded_forward(model, overhe
     logits = runner.forward([[9], [9], [9], [9]], [[-1]] * 4, [[0]] * 4)
     for b, seq in enumerate(runner.cached):
         torch.testing.assert_close(logits[b, 0], full_logits(model, [*seq, 9]), atol=2e-5, rtol=1e-5)
+
+
+def test_forward_computes_only_the_tokens_given(model):
+    """Packed: one row drafting 4 tokens beside three plain decodes puts 8 tokens through the
+    layers, not 4 rows padded to 5 (a drafted token costs one token's compute under load)."""
+    seen = []
+    layer = model.get_output_embeddings()
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    handle = first.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    try:
+        runner = ModelRunner(model)
+        runner.add_rows(["a", "b", "c", "d"])
+        runner.extend([[5, 6], [7], [8, 9, 10], [11]])
+        seen.clear()
+        tokens = [[1, 2, 3, 4, 5], [6], [7], [8]]
+        logits = runner.forward(tokens, [chain_parents(len(t)) for t in tokens], [[4], [0], [0], [0]])
+    finally:
+        handle.remove()
+    assert seen == [(1, 8)]
+    assert logits.shape == (4, 1, layer.weight.shape[0])

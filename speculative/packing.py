@@ -1,0 +1,135 @@
+"""Packed forwards: a batch's rows of different lengths as one row of their tokens, no padding.
+
+The runner's rows add different numbers of tokens per forward: one for a plain decode, 1 + d for a
+sequence drafting d, a whole prompt for one that just joined. Padding every row to the longest makes
+the batch's cheapest rows cost as much as its longest: a sequence drafting 4 tokens beside 15 plain
+decodes would have the target compute 16 x 5 positions for 16 + 4 tokens of work. Packed, the
+projections and MLPs (nearly all of a forward's compute) run on exactly the tokens given, so a
+drafted token costs one token's compute whatever the batch, and speculation can pay under load for
+the sequences whose drafts land.
+
+Only attention needs rows: each token attends to its own row's cache. So the model runs on
+input_ids [1, T] (T = the rows' tokens, concatenated); its cache (`PackedCache`) scatters each
+layer's packed keys and values back into the per-row layout [B, kv_heads, n, D] (n = the longest
+row's new tokens; shorter rows leave masked pads, as before); and attention
+(`ATTENTION`, registered with transformers) scatters the queries the same way, runs SDPA with the
+runner's 4D mask over groups of rows of similar length (`batching.ragged_groups`: a prompt beside
+decodes is not padded into their attention, nor they into its), and gathers the outputs back to
+[1, T]. Position ids are given per token, so rotary and absolute position embeddings are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from speculative.batching import ragged_groups
+
+ATTENTION = "specserve_packed"  # the attention implementation a runner sets on its model
+_TAG = "_specserve_packing"  # the mask tensor's attribute holding its Packing
+ATTENTION_GROUP_OVERHEAD = 8  # rows' worth of query padding one more SDPA call per layer is worth
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Some rows as a padded [rows, m] block: where each of their packed tokens goes in it."""
+
+    rows: torch.Tensor  # [b] row indices, ascending
+    width: int  # m: the longest of these rows' new tokens
+    source: torch.Tensor  # [t] packed positions of these rows' tokens
+    target: torch.Tensor | None  # [t] their slots in the flattened [b * m] block; None: no pads (see start)
+    start: int  # packed position of the first token (with no pads, the block is tokens start..start+t-1)
+
+    @staticmethod
+    def of(rows: list[int], lengths: list[int], offsets: list[int], device: torch.device) -> _Block:
+        m = max(lengths[r] for r in rows)
+        source = [offsets[r] + j for r in rows for j in range(lengths[r])]
+        slots = [i * m + j for i, r in enumerate(rows) for j in range(lengths[r])]
+        dense = len(slots) == len(rows) * m and source == list(range(source[0], source[0] + len(source)))
+        return _Block(_long(rows, device), m, _long(source, device), None if dense else _long(slots, device), source[0])
+
+    def scatter(self, states: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D] -> [b, heads, m, D], zero pads
+        heads, dim, rows = states.shape[1], states.shape[3], len(self.rows)
+        if self.target is None:
+            block = states[0][:, self.start : self.start + rows * self.width]  # [heads, b * m, D]
+        else:
+            block = states.new_zeros(heads, rows * self.width, dim)
+            block[:, self.target] = states[0][:, self.source]
+        return block.view(heads, rows, self.width, dim).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each packed token sits in the runner's [B, n] layout, and the 4D mask of that layout.
+
+    The model gets `mask` as its attention mask (a 4D mask reaches attention as it is given), tagged
+    with the packing, so attention finds it there; the runner sets it on the cache for the forward.
+    """
+
+    mask: torch.Tensor  # [B, 1, n, C + n] additive mask over the cache's columns and the new ones
+    batch: _Block  # every row, n wide: the cache's layout
+    groups: tuple[_Block, ...]  # rows attended together (rows with no new tokens in none)
+
+    @staticmethod
+    def of(lengths: list[int], mask: torch.Tensor, device: torch.device) -> Packing:
+        """The packing of rows adding `lengths` new tokens each (row by row, in order; some new token)."""
+        offsets = [sum(lengths[:b]) for b in range(len(lengths))]
+        groups = ragged_groups(lengths, ATTENTION_GROUP_OVERHEAD)
+        blocks = tuple(_Block.of(sorted(rows), lengths, offsets, device) for rows in groups)
+        mask = mask.to(device)
+        pack = Packing(mask, _Block.of(list(range(len(lengths))), lengths, offsets, device), blocks)
+        setattr(mask, _TAG, pack)  # a tensor attribute, read back by packed_attention
+        return pack
+
+
+class PackedCache(DynamicCache):
+    """A DynamicCache that takes a packed forward's keys and values and stores them per row."""
+
+    packing: Packing | None = None  # set by the runner for the duration of a packed forward
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packing is not None:  # [1, kv_heads, T, D] -> [B, kv_heads, n, D]
+            key_states, value_states = self.packing.batch.scatter(key_states), self.packing.batch.scatter(value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, D] packed, or [B, heads, q, D] unpacked
+    key: torch.Tensor,  # [B, kv_heads, C + n, D]
+    value: torch.Tensor,  # [B, kv_heads, C + n, D]
+    attention_mask: torch.Tensor | None,  # a packed forward's: [B, 1, n, C + n], tagged with its Packing
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # [1, T, heads, D] (or SDPA's own output when not packed)
+    """SDPA for packed forwards; any other call (e.g. `generate` on the same model) is plain SDPA."""
+    p = getattr(attention_mask, _TAG, None)
+    if p is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = []
+    for g in p.groups:
+        everyone = len(g.rows) == len(p.batch.rows)  # (rows ascending: then the batch as it is)
+        k, v = (key, value) if everyone else (key[g.rows], value[g.rows])
+        mask = p.mask[:, :, : g.width] if everyone else p.mask[g.rows, :, : g.width]
+        o, _ = sdpa_attention_forward(module, g.scatter(query), k, v, mask, **kwargs)  # [b, m, heads, D]
+        outputs.append(o.reshape(-1, *o.shape[2:]))  # [b * m, heads, D]
+    if len(p.groups) == 1 and p.groups[0].target is None:  # no pads: already the packed order
+        return outputs[0][None], None
+    out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
+    for g, o in zip(p.groups, outputs, strict=True):
+        out[g.source] = o if g.target is None else o[g.target]
+    return out[None], None
+
+
+def _long(values: Any, device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long, device=device)
+
+
+AttentionInterface.register(ATTENTION, packed_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # masks for calls that are not packed (e.g. generate)
