@@ -137,7 +137,7 @@ def test_catching_up_is_priced_per_token_not_as_a_round() -> None:
 def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
     """The lane has seen 1 in 4 drafts accepted, so sequences that just joined do not draft on the
     configured prior (0.7) alone; a sequence's own evidence takes over as it comes."""
-    c = costs({1: 0.2, 4: 0.2, 16: 0.2, 32: 0.25}, {1: 0.03, 4: 0.04})
+    c = costs({1: 0.2, 4: 0.2, 16: 0.2, 32: 0.25}, {1: 0.03, 4: 0.06})  # a drafted token: 0.06 s / 4
     config = AdaptiveConfig()
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     fresh = [Sequence(f"s{i}", [1, 2, 3], greedy, AdaptiveDepth(config)) for i in range(4)]
@@ -208,9 +208,11 @@ def test_a_sequence_held_at_zero_probes_when_a_probe_is_cheap() -> None:
     seq = Sequence("a", [1, 2, 3], greedy, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
     seq.depth.accepted, seq.depth.trials, seq.depth.prior_weight = 1.5, 10.0, 0.0  # acceptance 0.15
     seq.stats.steps, seq.stats.drafted_at = 20, 11  # 9 rounds at 0
-    # Prompt lookup (free drafts); a second token costs the forward 5 %: drafting at a = 0.15 does
-    # not clear min_gain, a probe costs less than probe_cost.
+    # Prompt lookup (free drafts); a second token costs the forward 5 %: drafting at a = 0.15, in a
+    # lane whose drafting delivered 15 % less than predicted, does not pay; a probe costs less than
+    # probe_cost (and is how the lane finds out whether this sequence's drafts land now).
     mild = costs({1: 0.2, 2: 0.21, 4: 0.24, 8: 0.25}, {1: 0.0001})
+    mild.calibration = 0.85
     assert plan_depths([seq], mild, 4) == [0]  # not a probe round
     mild.rounds = mild.probe_every - 1  # the next round is one
     assert plan_depths([seq], mild, 4) == [1]
