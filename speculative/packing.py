@@ -20,6 +20,7 @@ decodes is not padded into their attention, nor they into its), and gathers the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,7 @@ class Packing:
     @staticmethod
     def of(lengths: list[int], mask: torch.Tensor, device: torch.device) -> Packing:
         """The packing of rows adding `lengths` new tokens each (row by row, in order; some new token)."""
-        offsets = [sum(lengths[:b]) for b in range(len(lengths))]
+        offsets = row_offsets(lengths)
         groups = ragged_groups(lengths, ATTENTION_GROUP_OVERHEAD)
         blocks = tuple(_Block.of(sorted(rows), lengths, offsets, device) for rows in groups)
         mask = mask.to(device)
@@ -125,6 +126,11 @@ def packed_attention(
     for g, o in zip(p.groups, outputs, strict=True):
         out[g.source] = o if g.target is None else o[g.target]
     return out[None], None
+
+
+def row_offsets(lengths: list[int]) -> list[int]:
+    """Each row's first position in the packed row: [0, l0, l0 + l1, ...]."""
+    return [0, *itertools.accumulate(lengths)][:-1]
 
 
 def _long(values: Any, device: torch.device) -> torch.Tensor:

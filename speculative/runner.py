@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from speculative.packing import ATTENTION, PackedCache, Packing
+from speculative.packing import ATTENTION, PackedCache, Packing, row_offsets
 
 
 @dataclass
@@ -145,7 +145,7 @@ class ModelRunner:
         if logits_at is None:
             return None
         m = max((len(a) for a in logits_at), default=0)
-        offsets = [sum(lengths[:b]) for b in range(batch)]
+        offsets = row_offsets(lengths)
         slots = [b * m + j for b, at in enumerate(logits_at) for j in range(len(at))]  # in the flat [B * m]
         asked = [min(a + offsets[b], len(hidden) - 1) for b, at in enumerate(logits_at) for a in at]  # packed
         dev = self.device
