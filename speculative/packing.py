@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -45,14 +45,17 @@ class _Block:
     source: torch.Tensor  # [t] packed positions of these rows' tokens
     target: torch.Tensor | None  # [t] their slots in the flattened [b * m] block; None: no pads (see start)
     start: int  # packed position of the first token (with no pads, the block is tokens start..start+t-1)
+    column: int = 0  # the block's first query column in the [B, n] layout (where its mask rows start)
 
     @staticmethod
-    def of(rows: list[int], lengths: list[int], offsets: list[int], device: torch.device) -> _Block:
+    def of(rows: list[int], lengths: list[int], offsets: list[int], device: torch.device, column: int = 0) -> _Block:
+        """Rows' tokens column..column+lengths[r]-1 (offsets: each row's first packed position)."""
         m = max(lengths[r] for r in rows)
-        source = [offsets[r] + j for r in rows for j in range(lengths[r])]
+        source = [offsets[r] + column + j for r in rows for j in range(lengths[r])]
         slots = [i * m + j for i, r in enumerate(rows) for j in range(lengths[r])]
         dense = len(slots) == len(rows) * m and source == list(range(source[0], source[0] + len(source)))
-        return _Block(_long(rows, device), m, _long(source, device), None if dense else _long(slots, device), source[0])
+        target = None if dense else _long(slots, device)
+        return _Block(_long(rows, device), m, _long(source, device), target, source[0], column)
 
     def scatter(self, states: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D] -> [b, heads, m, D], zero pads
         heads, dim, rows = states.shape[1], states.shape[3], len(self.rows)
@@ -78,10 +81,24 @@ class Packing:
 
     @staticmethod
     def of(lengths: list[int], mask: torch.Tensor, device: torch.device) -> Packing:
-        """The packing of rows adding `lengths` new tokens each (row by row, in order; some new token)."""
+        """The packing of rows adding `lengths` new tokens each (row by row, in order; some new token).
+
+        When rows differ and some add one token (a drafting round under load: most rows decode, a
+        few verify drafts; or decodes beside a joining prompt), every row's first token is attended
+        in one call over the whole batch, the decode step's own shape (no row's cache gathered), and
+        only the longer rows' further tokens in groups of their own: a query needs only its own mask
+        row, so a row's queries may be split between calls.
+        """
         offsets = row_offsets(lengths)
-        groups = ragged_groups(lengths, ATTENTION_GROUP_OVERHEAD)
-        blocks = tuple(_Block.of(sorted(rows), lengths, offsets, device) for rows in groups)
+        live = [r for r, n in enumerate(lengths) if n]
+        if len({lengths[r] for r in live}) > 1 and min(lengths[r] for r in live) == 1:
+            rest = [max(n - 1, 0) for n in lengths]
+            firsts = _Block.of(live, [min(n, 1) for n in lengths], offsets, device)
+            groups = ragged_groups(rest, ATTENTION_GROUP_OVERHEAD)
+            blocks = (firsts, *(_Block.of(sorted(rows), rest, offsets, device, 1) for rows in groups))
+        else:
+            groups = ragged_groups(lengths, ATTENTION_GROUP_OVERHEAD)
+            blocks = tuple(_Block.of(sorted(rows), lengths, offsets, device) for rows in groups)
         mask = mask.to(device)
         pack = Packing(mask, _Block.of(list(range(len(lengths))), lengths, offsets, device), blocks)
         setattr(mask, _TAG, pack)  # a tensor attribute, read back by packed_attention
@@ -117,8 +134,9 @@ def packed_attention(
     for g in p.groups:
         everyone = len(g.rows) == len(p.batch.rows)  # (rows ascending: then the batch as it is)
         k, v = (key, value) if everyone else (key[g.rows], value[g.rows])
-        mask = p.mask[:, :, : g.width] if everyone else p.mask[g.rows, :, : g.width]
-        o, _ = sdpa_attention_forward(module, g.scatter(query), k, v, mask, **kwargs)  # [b, m, heads, D]
+        cols = slice(g.column, g.column + g.width)
+        mask = p.mask[:, :, cols] if everyone else p.mask[g.rows, :, cols]
+        o = _attend(module, g.scatter(query), k, v, mask, **kwargs)  # [b, m, heads, D]
         outputs.append(o.reshape(-1, *o.shape[2:]))  # [b * m, heads, D]
     if len(p.groups) == 1 and p.groups[0].target is None:  # no pads: already the packed order
         return outputs[0][None], None
@@ -126,6 +144,40 @@ def packed_attention(
     for g, o in zip(p.groups, outputs, strict=True):
         out[g.source] = o if g.target is None else o[g.target]
     return out[None], None
+
+
+class _OneHeadPerKv:
+    """The attention module as SDPA sees it once its query heads are folded onto their KV heads."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.is_causal = getattr(module, "is_causal", True)
+
+
+def _attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [b, heads, m, D]
+    key: torch.Tensor,  # [b, kv_heads, C, D]
+    value: torch.Tensor,  # [b, kv_heads, C, D]
+    mask: torch.Tensor,  # [b, 1, m, C]
+    **kwargs: Any,
+) -> torch.Tensor:  # [b, m, heads, D]
+    """SDPA with grouped-query heads folded into the query length, for any m.
+
+    Transformers folds only single-token queries and otherwise repeats every key and value per
+    query head (a copy of the rows' whole cache, heads/kv_heads times, per layer): the queries of
+    one KV head's group become one longer query row set, [b, kv, g * m, D], each with its own mask row.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, m, dim = query.shape
+    if groups == 1 or m == 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+    folded = query.reshape(b, heads // groups, groups * m, dim)  # head kv * g + r, query i -> row r * m + i
+    folded_module = cast(torch.nn.Module, _OneHeadPerKv(module))  # all SDPA reads of it: the two attributes
+    out, _ = sdpa_attention_forward(folded_module, folded, key, value, mask.repeat(1, 1, groups, 1), **kwargs)
+    # [b, g * m, kv, D] -> [b, m, kv * g, D]
+    return out.view(b, groups, m, heads // groups, dim).permute(0, 2, 3, 1, 4).reshape(b, m, heads, dim)
 
 
 def row_offsets(lengths: list[int]) -> list[int]:
