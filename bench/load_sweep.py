@@ -1,13 +1,18 @@
 """Load sweep: the running application over HTTP (OpenAI API), speculation on and off, c = 1..32.
 
 One run, same machine, same models. Each mode is its own application on embedded Ray behind
-Serve's HTTP proxy (all deployed first, idle while another is measured); each concurrency level
-runs on every mode in turn, driven by `c` closed-loop clients (each sends its next streamed chat
-completion when the last one ends) over a fixed prompt mix (code, prose, list, chat, and code
-editing whose answer quotes the prompt):
-- off:    no drafter, the target alone behind the same router (plain continuous batching);
+Serve's HTTP proxy (all deployed first, idle while another is measured):
 - draft:  the draft model proposes chains; depth per sequence by acceptance, per batch by load;
-- lookup: prompt lookup (n-gram matches in the context), no draft model.
+- lookup: prompt lookup (n-gram matches in the context), no draft model;
+- off:    (only if asked for) an application with no drafter: plain continuous batching.
+Speculation off is measured on each speculating application itself, as `off@draft` / `off@lookup`:
+the same requests with `max_draft_tokens: 0` (plain decoding, same tokens). Each mode is compared
+with its own off, on the same processes: on this 2-core VM two processes running identical
+forwards (same shapes, same code) differ persistently by up to 10 % in CPU time per forward
+(traced in session 6), more than speculation gains under load, so separate applications would
+compare processes as much as modes. Each concurrency level runs every arm in turn, driven by `c`
+closed-loop clients (each sends its next streamed chat completion when the last one ends) over a
+fixed prompt mix (code, prose, list, chat, and code editing whose answer quotes the prompt).
 Requests differ in output length (LENGTHS, mean --max-tokens, ignore_eos so each gets exactly its
 own): with equal lengths the requests of a level finish together, and plain decoding then prefills
 each new wave as one batch while speculation, which finishes them at different steps, cannot.
@@ -22,7 +27,7 @@ Both pools get the whole machine's threads and the router runs draft, then verif
 on a 2-core CPU the two would only contend (bench/results/pipelining.md).
 
     python -m bench.load_sweep                                      # Qwen 1.5B / 0.5B, bf16
-    python -m bench.load_sweep --target smollm2-135m --modes off lookup --concurrency 1 4 --max-tokens 8
+    python -m bench.load_sweep --target smollm2-135m --modes lookup --concurrency 1 4 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -51,6 +56,22 @@ from deploy.models import REGISTRY, fetch
 REPO = str(Path(__file__).resolve().parents[1])
 DRAFTERS = {"off": "none", "draft": "model", "lookup": "lookup"}
 STAT_KEYS = ("verify_s", "draft_s", "step_s", "overhead_share")  # the router's per-step means
+OFF = "off@"  # an arm with speculation off on a speculating application: "off@draft"
+
+
+def arms(modes: list[str]) -> list[str]:
+    """What each level measures: every mode, each speculating one followed by its own off."""
+    return [a for m in modes for a in ([m] if m == "off" else [m, OFF + m])]
+
+
+def app_of(arm: str) -> str:
+    return arm.removeprefix(OFF)
+
+
+def baseline(arm: str, measured: list[str]) -> str | None:
+    """The arm a mode is compared with: its own application's off, else the plain application."""
+    own = OFF + app_of(arm)
+    return own if own in measured else ("off" if "off" in measured else None)
 
 
 def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
@@ -73,8 +94,10 @@ def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
     )
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {
+async def one_request(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    body = extra | {
         "model": "bench",
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -129,7 +152,9 @@ def workload(requests: int, max_tokens: int) -> list[tuple[str, int]]:
     ]
 
 
-async def level(url: str, c: int, requests: int, max_tokens: int) -> dict[str, Any]:
+async def level(
+    url: str, c: int, requests: int, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
     for item in workload(requests, max_tokens):
         queue.put_nowait(item)
@@ -139,7 +164,7 @@ async def level(url: str, c: int, requests: int, max_tokens: int) -> dict[str, A
     async def client(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
             prompt, n = queue.get_nowait()
-            results.append(await one_request(session, url, prompt, n))
+            results.append(await one_request(session, url, prompt, n, extra or {}))
         exits.append(time.perf_counter())
 
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -196,28 +221,30 @@ def deploy(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each concurrency level on every mode in turn, so a disturbance of the machine hits them alike."""
+    """Each concurrency level on every arm in turn, so a disturbance of the machine hits them alike."""
     handles = {mode: serve.get_app_handle(mode) for mode in args.modes}
     urls = {mode: f"http://127.0.0.1:{args.port}/{mode}" for mode in args.modes}
+    extra = {arm: {"max_draft_tokens": 0} if arm.startswith(OFF) else {} for arm in arms(args.modes)}
     for mode in args.modes:  # warm-up: first forwards, kernel choice, connections, cost measurements
         asyncio.run(level(urls[mode], 2, 6, 16))
     rows = []
     for c in args.concurrency:
         per_client = max(args.requests_per_client, -(-args.min_requests // c))  # every client sends as many
-        passes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-        stats: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
-        for rep in range(args.repeats):  # modes in turn, the order reversed each pass (ABC CBA)
-            for mode in args.modes if rep % 2 == 0 else args.modes[::-1]:
-                handles[mode].stats.remote(reset=True).result()
-                passes[mode].append(asyncio.run(level(urls[mode], c, per_client * c, args.max_tokens)))
-                stats[mode].append(handles[mode].stats.remote(reset=True).result())
-        for mode in args.modes:
-            row = merge(passes[mode])
-            mean = {k: statistics.fmean(st.get(k, 0.0) for st in stats[mode]) for k in STAT_KEYS}
-            row |= {"mode": mode, **mean}
+        passes: dict[str, list[dict[str, Any]]] = {arm: [] for arm in extra}
+        stats: dict[str, list[dict[str, float]]] = {arm: [] for arm in extra}
+        for rep in range(args.repeats):  # arms in turn, the order reversed each pass (ABC CBA)
+            for arm in list(extra) if rep % 2 == 0 else list(extra)[::-1]:
+                handle, url = handles[app_of(arm)], urls[app_of(arm)]
+                handle.stats.remote(reset=True).result()
+                passes[arm].append(asyncio.run(level(url, c, per_client * c, args.max_tokens, extra[arm])))
+                stats[arm].append(handle.stats.remote(reset=True).result())
+        for arm in extra:
+            row = merge(passes[arm])
+            mean = {k: statistics.fmean(st.get(k, 0.0) for st in stats[arm]) for k in STAT_KEYS}
+            row |= {"mode": arm, **mean}
             rows.append(row)
             print(
-                f"{mode:>7} c={c:<3} {row['tokens_per_s']:7.2f} tok/s  L={row['acceptance_length']:.2f}  "
+                f"{arm:>10} c={c:<3} {row['tokens_per_s']:7.2f} tok/s  L={row['acceptance_length']:.2f}  "
                 f"ttft p50 {row['ttft_p50']:.2f} s  itl p50 {1e3 * row['itl_p50']:.0f} ms",
                 flush=True,
             )
@@ -225,10 +252,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> None:
-    """Ratios to `off` at each concurrency, and at c = 1 the bound L*T/(V+D) and efficiency."""
-    off = {r["concurrency"]: r for r in rows if r["mode"] == "off"}
+    """Ratios to each mode's off at each concurrency, and at c = 1 the bound L*T/(V+D) and efficiency."""
+    measured = list(dict.fromkeys(r["mode"] for r in rows))
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
     for r in rows:
-        base = off.get(r["concurrency"])
+        base = by.get((baseline(r["mode"], measured) or "", r["concurrency"]))
         r["vs_off"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         r["bound"] = r["efficiency"] = float("nan")
         if base and r["concurrency"] == 1 and r["verify_s"] + r["draft_s"] > 0:
@@ -269,18 +297,19 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         + [r["acceptance_length"], r["ttft_p50"]]
         + [r["ttft_p99"], 1e3 * r["itl_p50"], 1e3 * r["itl_p99"], 1e3 * r["verify_s"], 1e3 * r["draft_s"]]
         + [r["bound"], r["efficiency"]]
-        for r in sorted(rows, key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["mode"])))
+        for r in sorted(rows, key=lambda r: (r["concurrency"], arms(args.modes).index(r["mode"])))
     ]
     intro = (
         f"Target {args.target}, draft {args.draft}, {args.dtype}, {args.threads} torch threads per worker; "
         f"output tokens per request {', '.join(f'{f:g}' for f in LENGTHS)} x {args.max_tokens} (ignore_eos), "
         "greedy, streamed over HTTP; "
         f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level and pass, "
-        f"{args.repeats} passes (modes in turn, order reversed each pass, requests pooled); "
+        f"{args.repeats} passes (arms in turn, order reversed each pass, requests pooled); "
         "prompt mix: " + ", ".join(PROMPTS) + ".\n\n"
         "tok/s: output tokens per second while all c clients are busy (until the first runs out of "
         "requests); wall tok/s: over the whole level, its tail included. "
-        "vs off: tok/s over speculation off's at the same concurrency. L: output tokens per target "
+        "off@mode: that mode's application with speculation off per request (`max_draft_tokens: 0`). "
+        "vs off: tok/s over the same application's off at the same concurrency. L: output tokens per target "
         "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
         "L*T/(V+D) with T = off's verify compute per step, V, D = this mode's verify and draft compute "
         "per step (inside the workers); efficiency = vs off / bound.\n\n"
@@ -299,7 +328,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each worker")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--modes", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    parser.add_argument(
+        "--modes", nargs="+", default=["draft", "lookup"], choices=list(DRAFTERS), help="applications to deploy"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--requests-per-client", type=int, default=2)

@@ -48,7 +48,7 @@ _HTTP_TO_GRPC = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
 }
-_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "ignore_eos")
+_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "ignore_eos", "max_draft_tokens")
 
 
 class StatusContext(Protocol):

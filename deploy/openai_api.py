@@ -5,7 +5,8 @@ error), unknown fields refused ("Unrecognized request argument supplied"), value
 ranges. Fields OpenAI defines that this server cannot honour (`n` > 1, `logprobs`, `echo`,
 penalties other than repetition, tools) are accepted at their neutral value and refused otherwise,
 naming the field. Extensions, as vLLM spells them: `top_k`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids`.
+`stop_token_ids`, `return_token_ids`; and specserve's own `max_draft_tokens` (0 turns speculation off for
+the request: same tokens, plain decoding; for A/B runs on one deployment, or latency-critical requests).
 
 `to_generation` maps a validated request to what the router takes: prompt token ids and a
 `SamplingParams` dict. Responses follow OpenAI's format; `usage` adds the speculative decoding
@@ -81,6 +82,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = Field(default=None, description="Generate past end-of-sequence tokens.")
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64, description="Extra stop tokens.")
     return_token_ids: bool | None = Field(default=None, description="Add `token_ids` to each choice.")
+    # specserve's own
+    max_draft_tokens: int | None = Field(
+        default=None, ge=0, le=64, description="Most draft tokens per step; 0: no speculation for this request."
+    )
 
     def _limits(self) -> list[tuple[str, bool, str]]:
         """(field, honoured, why not) for fields OpenAI defines that this server honours only in part."""
@@ -213,6 +218,7 @@ def to_generation(
         "stop": tuple(stop),
         "stop_token_ids": tuple(request.stop_token_ids or ()),
         "ignore_eos": request.ignore_eos,
+        "max_draft_tokens": request.max_draft_tokens,
         "seed": request.seed if request.seed is not None else seed,
     }
     try:

@@ -308,7 +308,8 @@ def plan_depths(
     """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
     `costs` within the load cap too, except for sequences whose tokens depend on depth (sampled drafts)."""
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
-    wants = [max(min(s.depth.next_depth(), s.params.max_tokens - len(s.output) - 1), 0) for s in seqs]
+    # A request may cap its own depth (`max_draft_tokens`; 0: no speculation for it).
+    wants = [max(min(s.depth.next_depth(), s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
     if costs is None:
         return [min(w, cap) for w in wants]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
@@ -341,3 +342,9 @@ def plan_depths(
         if d:
             s.stats.draft_synced, s.stats.drafted_at, s.stats.draft_catch_up = len(s.tokens), s.stats.steps, c
     return depths
+
+
+def _own_cap(seq: Sequence) -> int:
+    """The request's `max_draft_tokens`; without one, no cap beyond the server's."""
+    own = seq.params.max_draft_tokens
+    return own if own is not None else seq.params.max_tokens

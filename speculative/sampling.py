@@ -35,6 +35,13 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end the sequence (cut from text).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's end-of-sequence token.")
     seed: int = Field(0, ge=0, lt=2**63, description="Keys the counter-based generator of this request.")
+    max_draft_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Most draft tokens per step for this request (0: plain decoding, no speculation); "
+        "None: as many as the server's speculation chooses.",
+    )
 
     @model_validator(mode="after")
     def _stops_non_empty(self) -> SamplingParams:

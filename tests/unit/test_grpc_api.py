@@ -130,6 +130,7 @@ BAD = [
         "repetition_penalty",
     ),
     ("seed-too-big", greedy([5, 6], 4, seed=2**63), grpc.StatusCode.INVALID_ARGUMENT, "sampling.seed"),
+    ("draft-too-deep", greedy([5, 6], 4, max_draft_tokens=65), grpc.StatusCode.INVALID_ARGUMENT, "max_draft_tokens"),
 ]
 BAD[4][1].sampling.temperature = 1000.0
 BAD[11][1].sampling.temperature = -0.5

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from pydantic import ValidationError
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.decoder import Sequence
@@ -173,6 +176,29 @@ def test_a_sequence_s_first_round_is_its_prefill_alone() -> None:
     assert plan_depths([joining], None, 4) != [0]  # no load control: depth by acceptance alone
     sampled = Sequence("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig()))
     assert plan_depths([sampled], c, 4) != [0]
+
+
+def test_a_request_caps_its_own_depth_and_zero_turns_speculation_off() -> None:
+    """`max_draft_tokens` binds with or without load control, measured or not, greedy or sampled."""
+    c = costs({1: 0.2, 2: 0.2, 4: 0.2, 16: 0.2, 64: 0.25}, {1: 0.01, 4: 0.01})
+
+    def seq(name: str, **params: Any) -> Sequence:
+        depth = AdaptiveDepth(AdaptiveConfig(draft_cost=0.0))  # on its own, as deep as allowed
+        s = Sequence(name, [1, 2, 3], SamplingParams(max_tokens=64, **params), depth)
+        s.stats.steps, s.stats.drafted_at = 5, 4
+        return s
+
+    for greedy in (0.0, 1.0):
+        free, one, off = (
+            seq("a", temperature=greedy),
+            seq("b", temperature=greedy, max_draft_tokens=1),
+            seq("c", temperature=greedy, max_draft_tokens=0),
+        )
+        for control in (None, StepCosts(), c):
+            depths = plan_depths([free, one, off], control, 4)
+            assert depths[0] > 1 and depths[1] == 1 and depths[2] == 0, (greedy, control, depths)
+    with pytest.raises(ValidationError, match="max_draft_tokens"):
+        SamplingParams(max_draft_tokens=-1)
 
 
 def test_drafting_that_does_not_deliver_what_was_predicted_stops_and_is_tried_again_later() -> None:

@@ -87,6 +87,8 @@ BAD = [
     case("max-tokens-zero", CMP, completion(max_tokens=0), 400, "max_tokens", "greater than"),
     case("max-tokens-float", CMP, completion(max_tokens=2.5), 400, "max_tokens", "integer"),
     case("seed-negative", CMP, completion(seed=-1), 400, "seed", "greater than"),
+    case("max-draft-negative", CMP, completion(max_draft_tokens=-1), 400, "max_draft_tokens", "greater than"),
+    case("max-draft-high", CHAT, chat(max_draft_tokens=65), 400, "max_draft_tokens", "less than"),
     case("prompt-too-long", CMP, completion(prompt=LONG), 400, "prompt", "context window"),
     case("max-tokens-overflow", CMP, completion(max_tokens=WINDOW), 400, "max_tokens", "context window"),
     case("chat-overflow", CHAT, chat(max_completion_tokens=500), 400, "max_completion_tokens", "fit"),
@@ -197,6 +199,16 @@ def test_completion_is_the_targets_greedy_output_streamed_or_not(client: TestCli
     assert [c["choices"][0]["finish_reason"] for c in token_chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in token_chunks[:-1])
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+
+
+def test_max_draft_tokens_zero_turns_speculation_off_for_that_request(client: TestClient, models, tokenizer) -> None:
+    prompt = tokenizer.encode("the quick brown fox")
+    body = completion(prompt="the quick brown fox", max_tokens=12, ignore_eos=True, return_token_ids=True)
+    on = client.post("/v1/completions", json=body).json()
+    off = client.post("/v1/completions", json=body | {"max_draft_tokens": 0}).json()
+    assert on["usage"]["draft_tokens"] > 0  # the deployment speculates ...
+    assert off["usage"]["draft_tokens"] == 0 and off["usage"]["acceptance_length"] == 1.0  # ... not for this one
+    assert off["choices"][0]["token_ids"] == on["choices"][0]["token_ids"] == reference_greedy(models[0], prompt, 12)
 
 
 def test_chat_stream_adds_up_to_the_chat_response(client: TestClient, tokenizer) -> None:
