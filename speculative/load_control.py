@@ -133,7 +133,6 @@ class StepCosts:
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
     min_gain: float = 1.1  # drafted tokens count at 1/min_gain of their expected number (a margin)
-    caution: float = 1.0  # standard errors taken off each acceptance estimate when drafting is weighed
     probe_cost: float = 0.1  # a probe round may cost this much more than the round it replaces
     probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
     rounds: int = 0  # rounds planned
@@ -227,7 +226,6 @@ def choose_depths(
     capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
     catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
     probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
-    evidence: list[float] | None = None,  # [n] accept/reject decisions behind each estimate (None: certain)
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -235,12 +233,6 @@ def choose_depths(
     token down to it is accepted) and `nodes_per_depth` tokens to the verify forward, so the best
     allocation of m draft tokens takes the m largest such gains; m is chosen by the measured costs.
     Before the costs are measured every sequence gets min(want, cap).
-
-    Gains are weighed at a cautious acceptance, `caution` standard errors below the estimate
-    (sqrt(a(1-a)/(evidence+1))): the sequences that look best are partly the lucky ones, so drafting
-    on the mean estimate loses under load, where each draft token costs a token's compute (prompt
-    lookup on chat text: estimates near 0.5, realized 0.15). Where drafting is cheap (one stream, a
-    flat verify) a cautious estimate still drafts; the prediction that calibration checks uses the mean.
 
     A sequence kept at depth 0 gathers no evidence, so an estimate that fell while the text was
     unpredictable (a preamble before the quoted code) would hold it there for good: sequences due a
@@ -252,14 +244,10 @@ def choose_depths(
     n = len(wants)
     capped = capped or [True] * n
     depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
-    seen = evidence or [math.inf] * n
-    cautious = [
-        max(a - costs.caution * math.sqrt(a * (1 - a) / (e + 1)), 0.0) for a, e in zip(acceptances, seen, strict=True)
-    ]
-    gains = sorted(  # (cautious gain, expected gain, sequence)
+    gains = sorted(
         (
-            (b**j, a**j, i)
-            for i, (w, a, b, c) in enumerate(zip(wants, acceptances, cautious, capped, strict=True))
+            (a**j, i)
+            for i, (w, a, c) in enumerate(zip(wants, acceptances, capped, strict=True))
             if c
             for j in range(1, min(w, cap) + 1)
         ),
@@ -275,17 +263,17 @@ def choose_depths(
     catch = catch_ups or [0] * n
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
     best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch), 0.0
-    for m, (gain, _, i) in enumerate(gains, start=1):
+    for m, (gain, i) in enumerate(gains, start=1):
         depths[i] += 1
         drafted += gain
         rate = _rate(plain + drafted / costs.min_gain, depths, costs, overlapped, catch) * costs.calibration
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
-    for _, _, i in gains[:best_m]:
+    for _, i in gains[:best_m]:
         chosen[i] += 1
     if best_m:  # what calibration compares the realized rate with: the expected tokens, undiscounted
-        expected = plain + sum(g for _, g, _ in gains[:best_m])
+        expected = plain + sum(g for g, _ in gains[:best_m])
         costs.last_predicted = _rate(expected, chosen, costs, overlapped, catch)
     probes = probes or {}
     due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
@@ -347,8 +335,7 @@ def plan_depths(
     if costs.rounds % costs.probe_every == 0:
         held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > costs.probe_every)
         probes = {i: float(catch_ups[i]) for i in held}
-    evidence = [s.depth.trials + s.depth.prior_weight for s in seqs]
-    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, evidence)
+    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
     for s, d, c in zip(seqs, depths, catch_ups, strict=True):

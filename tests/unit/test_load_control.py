@@ -178,21 +178,6 @@ def test_a_sequence_s_first_round_is_its_prefill_alone() -> None:
     assert plan_depths([sampled], c, 4) != [0]
 
 
-def test_under_load_an_estimate_on_little_evidence_drafts_less_than_a_proven_one() -> None:
-    """The sequences that look best are partly lucky: gains are weighed a standard error below the
-    estimate, which costs nothing where drafting is cheap (one stream) and saves wasted draft tokens
-    in a loaded batch (prompt lookup on chat text: estimates near 0.5, realized 0.15)."""
-    free_draft = {1: 0.0001, 16: 0.0001}  # prompt lookup: drafting costs nothing, verifying does
-    others = [0.1] * 14
-    proven, thin = choose_depths(
-        [4] * 16, [0.9, 0.9, *others], costs(CPU, free_draft), 4, evidence=[40, 4] + [40] * 14
-    )[:2]
-    assert proven == 4 and 0 < thin < proven
-    assert choose_depths([4] * 16, [0.5, 0.5, *others], costs(CPU, free_draft), 4)[:2] == [1, 1]  # (certain)
-    assert choose_depths([4] * 16, [0.5, 0.5, *others], costs(CPU, free_draft), 4, evidence=[4] * 16)[:2] == [0, 0]
-    assert choose_depths([4], [0.7], costs(CPU, free_draft), 4, evidence=[4]) == [4]  # one stream: still deep
-
-
 def test_a_request_caps_its_own_depth_and_zero_turns_speculation_off() -> None:
     """`max_draft_tokens` binds with or without load control, measured or not, greedy or sampled."""
     c = costs({1: 0.2, 2: 0.2, 4: 0.2, 16: 0.2, 64: 0.25}, {1: 0.01, 4: 0.01})
