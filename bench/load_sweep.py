@@ -7,12 +7,13 @@ Serve's HTTP proxy (all deployed first, idle while another is measured):
 - off:    (only if asked for) an application with no drafter: plain continuous batching.
 Speculation off is measured on each speculating application itself, as `off@draft` / `off@lookup`:
 the same requests with `max_draft_tokens: 0` (plain decoding, same tokens). Each mode is compared
-with its own off, on the same processes: on this 2-core VM two processes running identical
-forwards (same shapes, same code) differ persistently by up to 10 % in CPU time per forward
-(traced in session 6), more than speculation gains under load, so separate applications would
-compare processes as much as modes. Each concurrency level runs every arm in turn, driven by `c`
-closed-loop clients (each sends its next streamed chat completion when the last one ends) over a
-fixed prompt mix (code, prose, list, chat, and code editing whose answer quotes the prompt).
+with its own off, on the same processes, so nothing but speculation differs between the two arms
+but time: on this 2-core VM the CPU time of identical forwards (same shapes, same code) drifts by
+up to 10 % between minute-long windows (traced in session 6), more than speculation gains under
+load; arms alternate, order reversed each pass, to spread that drift. Each concurrency level runs
+every arm in turn, driven by `c` closed-loop clients (each sends its next streamed chat completion
+when the last one ends) over a fixed prompt mix (code, prose, list, chat, and code editing whose
+answer quotes the prompt).
 Requests differ in output length (LENGTHS, mean --max-tokens, ignore_eos so each gets exactly its
 own): with equal lengths the requests of a level finish together, and plain decoding then prefills
 each new wave as one batch while speculation, which finishes them at different steps, cannot.

@@ -14,7 +14,9 @@ layer's packed keys and values back into the per-row layout [B, kv_heads, n, D] 
 row's new tokens; shorter rows leave masked pads, as before); and attention
 (`ATTENTION`, registered with transformers) scatters the queries the same way, runs SDPA with the
 runner's 4D mask over groups of rows of similar length (`batching.ragged_groups`: a prompt beside
-decodes is not padded into their attention, nor they into its), and gathers the outputs back to
+decodes is not padded into their attention, nor they into its; when some rows add one token, every
+row's first token goes in one whole-batch call and only the longer rows' rest in groups), and
+gathers the outputs back to
 [1, T]. Position ids are given per token, so rotary and absolute position embeddings are unchanged.
 """
 
