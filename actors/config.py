@@ -148,6 +148,11 @@ class RouterConfig(BaseModel):
         description="The draft pool samples drafts under sampling (rejection rule), so depth changes a seeded "
         "request's tokens: the load cap then spares sampled requests (set from the drafter config).",
     )
+    lookup_ngrams: tuple[int, int] | None = Field(
+        default=None,
+        description="(max, min) suffix n-gram of a prompt-lookup draft pool (set from the drafter config): depths "
+        "then follow each sequence's current match, which the router finds itself (it costs nothing).",
+    )
     draft_timeout_s: float = Field(
         default=5.0,
         gt=0,

@@ -34,6 +34,7 @@ from actors.pools import Pool, replica_lost
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
+from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.load_control import StepCosts, plan_depths
 from speculative.tree import TokenTree
 
@@ -109,11 +110,13 @@ class Lane:
         self.groups: list[dict[str, Live]] = [{} for _ in range(n)]
         self.drafted = [False] * n  # group holds proposals not yet verified
         self.release_draft: list[list[str]] = [[] for _ in range(n)]
-        # per group, the planned round: predicted tokens/s (None: plain), overlapped, draft seconds
-        self.predicted: list[tuple[float | None, bool, float]] = [(None, False, 0.0) for _ in range(n)]
+        # per group, the planned round's expected tokens (StepCosts.last_predicted; None: plain)
+        self.predicted: list[tuple[float, float] | None] = [None] * n
         self.release_target: list[list[str]] = [[] for _ in range(n)]
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         self._draft_off_until = 0.0
+        ngrams = ctx.config.lookup_ngrams  # prompt lookup: depths weighed knowing each sequence's match
+        self.lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
         self.task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -184,9 +187,9 @@ class Lane:
         costs = self.ctx.costs if config.limits.load_adaptive else None
         overlapped = len(self.groups) > 1 and all(self.groups)  # the other group's verify runs beside this draft
         depths = plan_depths(
-            [x.seq for x in lives], costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled
+            [x.seq for x in lives], costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled, self.lookup
         )
-        self.predicted[g] = (costs.last_predicted if costs is not None else None, overlapped, 0.0)
+        self.predicted[g] = costs.last_predicted if costs is not None else None
         requests = [
             DraftRequest(x.seq.seq_id, tuple(x.seq.tokens), d, x.seq.params) for x, d in zip(lives, depths, strict=True)
         ]
@@ -203,10 +206,11 @@ class Lane:
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
                 self.ctx.costs.observe_draft([x.seq for x in lives], [p.tree for p in proposals], drafted.work.seconds)
-                self.predicted[g] = (*self.predicted[g][:2], drafted.work.seconds)
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s
+        if proposals is None:  # nothing drafted after all: not a round to calibrate on
+            self.predicted[g] = None
         for i, live in enumerate(lives):
             live.proposal = proposals[i] if proposals is not None else None
         self.drafted[g] = True
@@ -229,10 +233,7 @@ class Lane:
         trees = [item.proposal.tree for item in items]
         accepted = [len(v.accepted) for v in verified.verdicts]
         self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds, accepted)
-        predicted, overlapped, draft_s = self.predicted[g]
-        verify_s = verified.work.seconds
-        seconds = max(verify_s, draft_s) if overlapped else verify_s + draft_s
-        self.ctx.costs.observe_round(predicted, sum(len(v.tokens) for v in verified.verdicts), seconds)
+        self.ctx.costs.observe_round(self.predicted[g], sum(len(v.tokens) for v in verified.verdicts))
         committed = 0
         for live, verdict in zip(lives, verified.verdicts, strict=True):
             committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))

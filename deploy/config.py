@@ -227,5 +227,7 @@ class AppConfig(BaseModel):
         )
 
     def router(self) -> RouterConfig:
-        update = {"limits": self.speculation, "drafts_sampled": self.drafter.drafts_sampled}
+        drafter = self.drafter
+        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" else None
+        update = {"limits": self.speculation, "drafts_sampled": drafter.drafts_sampled, "lookup_ngrams": lookup}
         return self.router_pool.router.model_copy(update=update)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
+from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.load_control import StepCosts, plan_depths
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
@@ -30,6 +31,8 @@ class SequenceStats:
     draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
     drafted_at: int = -2  # `steps` when it last drafted
     draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
+    lookup_ngram: int = 0  # prompt lookup: the suffix n-gram its last planned draft matched (0: none)
+    lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
 
     @property
     def acceptance_length(self) -> float:
@@ -155,7 +158,7 @@ class SpeculativeDecoder:
         if self.costs is not None:
             predicted = self.costs.last_predicted
             self._observe(seqs, proposals, [len(v.accepted) for v in verdicts], t1 - t0, t2 - t1)
-            self.costs.observe_round(predicted, sum(len(v.tokens) for v in verdicts), t2 - t0)
+            self.costs.observe_round(predicted, sum(len(v.tokens) for v in verdicts))
         outputs = [
             self._commit(seq, prop, v.tokens, len(v.accepted))
             for seq, prop, v in zip(seqs, proposals, verdicts, strict=True)
@@ -169,7 +172,8 @@ class SpeculativeDecoder:
         return outputs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        depths = plan_depths(seqs, self.costs, self.adaptive.max_depth, drafts_sampled=self.drafts_sampled)
+        lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
+        depths = plan_depths(seqs, self.costs, self.adaptive.max_depth, False, self.drafts_sampled, lookup)
         requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
         if self.drafter is None:
             return [empty_proposal(r) for r in requests]

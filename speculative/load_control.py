@@ -29,7 +29,8 @@ throughput with speculation on falls back to that with it off, while a sequence 
 prompt keeps drafting when the others stop.
 
 V and D are learned online: decayed means per power-of-two bucket of tokens (verify) or of batch
-size (draft, per unit of depth), interpolated between buckets, below the smallest along the first
+size (draft, per unit of depth), interpolated between buckets (neighbours less than 1.5x apart in
+size averaged first: their slope would be noise), below the smallest along the first
 slope (never below proportional to size), and above the largest along the last slope (flat from a
 single point: a size never tried is assumed to cost what the largest tried did, so it gets tried
 once and then priced by its own measurement). Before any measurement every sequence drafts
@@ -40,10 +41,12 @@ lane that has always drafted has seen only larger forwards, and a plain round pr
 drafting look better than it is. When V(n) at the current size was never measured, or not in the
 last `refresh_rounds` verifies, the round is plain (capped sequences draft nothing).
 
-What the model leaves out (a resumed sequence's draft catch-up, call overheads, optimistic
-acceptance) is learned as one factor: realized over predicted tokens/s of the drafting rounds,
-applied to every drafting choice. Plain rounds move it back toward 1, so a lane that stopped
-drafting tries again now and then.
+What the model leaves out on the token side (acceptance estimates that run high: the sequences
+whose drafts look best are partly the lucky ones) is learned as one factor: the drafted tokens a
+round committed over those it was expected to, applied to every drafted token's expected gain (a
+winner's curse discount). Plain rounds move it back toward 1, so a lane that stopped drafting tries
+again now and then. Time is left to the measured curves: a round's seconds drift by several percent
+on a shared machine, which on the whole round's rate would swamp what a few sequences drafting add.
 
 Depths change which tokens are drafted, never which are committed under greedy decoding or under
 target-sample matching (deterministic drafts: the committed token at each position is the keyed
@@ -61,9 +64,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from speculative.adaptive import expected_tokens, tally
+from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.tree import TokenTree
 
 CATCH_UP_MEASURED = 8  # catch-up tokens in a draft call from which it prices catching up, not a round
+SPREAD = 1.5  # cost-curve points closer in size than this factor are averaged (their slope is noise)
 
 if TYPE_CHECKING:
     from speculative.decoder import Sequence
@@ -100,6 +105,18 @@ class _Curve:
             p.seconds = self.memory * p.seconds + (1 - self.memory) * seconds
             p.seen = self.clock
 
+    def _spread(self) -> list[tuple[float, float]]:
+        """The points by size, neighbours closer than SPREAD x apart averaged into one: a slope is only as
+        good as the sizes it spans. Two buckets' means can sit side by side (16 and 17 tokens: a plain
+        round of 16 and one with a token drafted), and their few-percent noise would then price a
+        drafted token at several times what it costs (seen: 33 ms for 1 token, 8.5 ms measured)."""
+        pts = sorted((p.x, p.seconds) for p in self.points.values())
+        spread = [pts[0]]
+        for x, seconds in pts[1:]:
+            x0, s0 = spread[-1]
+            spread[-1:] = [((x0 + x) / 2, (s0 + seconds) / 2)] if x < SPREAD * x0 else [(x0, s0), (x, seconds)]
+        return spread
+
     def age(self, x: float) -> int | None:
         """Observations since a size like x was last observed; None if never."""
         p = self.points.get(_bucket(x))
@@ -108,7 +125,7 @@ class _Curve:
     def __call__(self, x: float) -> float | None:
         if not self.points:
             return None
-        pts = sorted((p.x, p.seconds) for p in self.points.values())
+        pts = self._spread()
         if x <= pts[0][0]:  # below: along the first slope (a fixed cost plus a per-token one), not below
             (x0, s0), (x1, s1) = pts[0], pts[1] if len(pts) > 1 else pts[0]  # proportional to size
             slope = max(s1 - s0, 0.0) / (x1 - x0) if x1 > x0 else 0.0
@@ -136,14 +153,16 @@ class StepCosts:
     probe_cost: float = 0.1  # a probe round may cost this much more than the round it replaces
     probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
     rounds: int = 0  # rounds planned
-    calibration: float = 1.0  # realized over predicted tokens/s of drafting rounds (decayed)
+    calibration: float = 1.0  # drafted tokens committed over expected, drafting rounds (decayed)
     calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
     calibration_relax: float = 0.005  # per plain round, the calibration moves this far back toward 1
-    last_predicted: float | None = None  # predicted tokens/s of the round just planned; None if plain
+    last_predicted: tuple[float, float] | None = None  # the round just planned: expected tokens without
+    # and from the load-capped drafts (None: no such drafts)
     draft_token: float | None = None  # seconds per token the draft model catches up on (decayed mean)
     pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
     pooled_accepted: float = 0.0  # decayed draft tokens accepted, all sequences of the lane
     pooled_trials: float = 0.0  # decayed accept/reject decisions, all sequences of the lane
+    pooled_by_match: dict[int, tuple[float, float]] = field(default_factory=dict)  # lookup: n-gram -> the pair
 
     def __post_init__(self) -> None:
         self.verify = _Curve(self.memory)
@@ -161,29 +180,41 @@ class StepCosts:
         """
         lengths = [t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True)]
         self.verify.observe(sum(lengths), seconds)
-        for tree, kept in zip(trees, accepted, strict=False):
+        for seq, tree, kept in zip(seqs, trees, accepted, strict=False):
             proposed = max(tree.depths)
             if proposed:  # the tally of adaptive.AdaptiveDepth.update, over every sequence of the lane
                 pooled = self.pooled_accepted, self.pooled_trials
                 self.pooled_accepted, self.pooled_trials = tally(*pooled, self.pooled_memory, proposed, kept)
+                n = seq.stats.lookup_ngram  # and apart by how long a match the lookup draft came from
+                if n:
+                    pooled = self.pooled_by_match.get(n, (0.0, 0.0))
+                    self.pooled_by_match[n] = tally(*pooled, self.pooled_memory, proposed, kept)
+                    own = seq.stats.lookup_tally.get(n, (0.0, 0.0))
+                    seq.stats.lookup_tally[n] = tally(*own, seq.depth.config.memory, proposed, kept)
 
-    def observe_round(self, predicted: float | None, tokens: int, seconds: float) -> None:
-        """A planned round ended: `tokens` committed in `seconds` of verify and draft compute.
+    def observe_round(self, predicted: tuple[float, float] | None, tokens: int) -> None:
+        """A planned round ended with `tokens` committed; `predicted`: its `last_predicted`.
 
-        Drafting rounds calibrate the model against what it missed (a resumed sequence's draft
-        catch-up, call overheads, optimistic acceptance); plain rounds let a calibration that
-        stopped drafting drift back toward 1, so drafting is tried again later.
+        Drafting rounds calibrate the drafted tokens' expected number against what they delivered;
+        plain rounds let a calibration that stopped drafting drift back toward 1, so drafting is
+        tried again later.
         """
         if predicted is None:
             self.calibration += self.calibration_relax * (1.0 - self.calibration)
-        elif seconds > 0 and predicted > 0:
-            ratio = min(max(tokens / seconds / predicted, 0.25), 2.0)
+        elif predicted[1] > 0:
+            base, drafted = predicted
+            ratio = min(max((tokens - base) / drafted, 0.0), 2.0)
             self.calibration = self.calibration_memory * self.calibration + (1 - self.calibration_memory) * ratio
 
-    def acceptance_prior(self, default: float) -> float:
+    def acceptance_prior(self, default: float, ngram: int = 0) -> float:
         """The lane's recent acceptance, leaning on `default` (4 decisions' worth) while it has few:
-        a lane whose first drafts all missed must not conclude that none will ever land."""
-        return (self.pooled_accepted + 4.0 * default) / (self.pooled_trials + 4.0)
+        a lane whose first drafts all missed must not conclude that none will ever land. With `ngram`
+        (prompt lookup), that of drafts from matches of that length only: on the load sweep's mix a
+        1-gram match's first token was right 25 % of the time, a 3-gram match's 80 %."""
+        accepted, trials = self.pooled_by_match.get(ngram, (0.0, 0.0)) if ngram else (0.0, 0.0)
+        if not ngram:
+            accepted, trials = self.pooled_accepted, self.pooled_trials
+        return (accepted + 4.0 * default) / (trials + 4.0)
 
     def observe_draft(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
         """A draft call that proposed `trees` for `seqs` took `seconds`.
@@ -266,15 +297,14 @@ def choose_depths(
     for m, (gain, i) in enumerate(gains, start=1):
         depths[i] += 1
         drafted += gain
-        rate = _rate(plain + drafted / costs.min_gain, depths, costs, overlapped, catch) * costs.calibration
+        rate = _rate(plain + drafted * costs.calibration / costs.min_gain, depths, costs, overlapped, catch)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
     for _, i in gains[:best_m]:
         chosen[i] += 1
-    if best_m:  # what calibration compares the realized rate with: the expected tokens, undiscounted
-        expected = plain + sum(g for g, _ in gains[:best_m])
-        costs.last_predicted = _rate(expected, chosen, costs, overlapped, catch)
+    if best_m:  # what calibration compares the committed tokens with: the expected ones, undiscounted
+        costs.last_predicted = (plain, sum(g for g, _ in gains[:best_m]))
     probes = probes or {}
     due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:
@@ -303,15 +333,32 @@ def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[
 
 
 def plan_depths(
-    seqs: Seq[Sequence], costs: StepCosts | None, cap: int, overlapped: bool = False, drafts_sampled: bool = True
+    seqs: Seq[Sequence],
+    costs: StepCosts | None,
+    cap: int,
+    overlapped: bool = False,
+    drafts_sampled: bool = True,
+    lookup: PromptLookupDrafter | None = None,
 ) -> list[int]:
     """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
-    `costs` within the load cap too, except for sequences whose tokens depend on depth (sampled drafts)."""
+    `costs` within the load cap too, except for sequences whose tokens depend on depth (sampled drafts).
+
+    With `lookup` (the drafter is prompt lookup, whose drafts cost nothing to find), depths are weighed
+    knowing each sequence's match: none wants no more than its match would draft (no match: nothing,
+    not even a probe), and its acceptance leans on that of the lane's drafts from matches as long.
+    """
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
     # A request may cap its own depth (`max_draft_tokens`; 0: no speculation for it).
     wants = [max(min(s.depth.next_depth(), s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
     if costs is None:
         return [min(w, cap) for w in wants]
+    # (matched n-gram, tokens the lookup would draft); (0, want) when the drafter is not lookup
+    matches = [
+        lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
+    ]
+    wants = [min(w, found) for w, (_, found) in zip(wants, matches, strict=True)]
+    for s, (n, _) in zip(seqs, matches, strict=True):
+        s.stats.lookup_ngram = n
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
     # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
     # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
@@ -319,8 +366,13 @@ def plan_depths(
     wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
     # a constant, so a workload the draft guesses badly does not draft on every arrival.
-    prior = costs.acceptance_prior(seqs[0].depth.config.prior_acceptance) if seqs else 0.0
-    acceptances = [s.depth.acceptance_with(prior) for s in seqs]
+    default = seqs[0].depth.config.prior_acceptance if seqs else 0.0
+    acceptances = [
+        _match_acceptance(s, costs.acceptance_prior(default, s.stats.lookup_ngram))
+        if s.stats.lookup_ngram
+        else s.depth.acceptance_with(costs.acceptance_prior(default))
+        for s in seqs
+    ]
     # Catching up is paid once and lets the sequence draft for the rest of its output: charge each
     # round its share, over the rounds the sequence still has to go at its own depth.
     rounds_left = [
@@ -342,6 +394,14 @@ def plan_depths(
         if d:
             s.stats.draft_synced, s.stats.drafted_at, s.stats.draft_catch_up = len(s.tokens), s.stats.steps, c
     return depths
+
+
+def _match_acceptance(seq: Sequence, prior: float) -> float:
+    """A lookup draft's acceptance from this sequence's drafts off matches as long as its current one,
+    leaning on the lane's (`prior`, 4 decisions' worth): a 1-gram match in a preamble that missed says
+    little about the 3-gram matches of the code the sequence then quotes."""
+    accepted, trials = seq.stats.lookup_tally.get(seq.stats.lookup_ngram, (0.0, 0.0))
+    return min(max((accepted + 4.0 * prior) / (trials + 4.0), 1e-3), 0.999)
 
 
 def _own_cap(seq: Sequence) -> int:

@@ -56,6 +56,21 @@ def test_greedy_identical_to_target_alone(ray_local: None, tiny_pair: TinyPair, 
     print(f"tp={tp_size} drafts={drafts}: {stats}")
 
 
+def test_prompt_lookup_app_greedy_identical_to_target_alone(ray_local: None, tiny_pair: TinyPair) -> None:
+    """No draft model: the draft pool looks up n-grams and the router weighs depths by each match."""
+    config = app_config(tiny_pair, 1, 1).model_copy(update={"draft_model": None})
+    config = AppConfig.model_validate(config.model_dump() | {"drafter": {"kind": "lookup"}})
+    assert config.router().lookup_ngrams == (3, 1)
+    requests = prompts_and_lengths(10)
+    with deployed(config) as handle:
+        results = asyncio.run(
+            gather_generate(handle, [(p, {"temperature": 0.0, "max_tokens": m}) for p, m in requests])
+        )
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+    assert sum(r["usage"]["accepted"] for r in results) > 0
+
+
 def test_stream_through_the_handle(ray_local: None, tiny_pair: TinyPair) -> None:
     prompt, max_new = prompts_and_lengths(3)[2]
 

@@ -7,7 +7,7 @@ import torch
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth, best_depth, expected_tokens
 from speculative.drafters.base import DraftRequest
-from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation
+from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation, lookup_match
 from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 
@@ -51,6 +51,17 @@ def test_lookup_copies_continuation_of_latest_longest_match():
     assert lookup_continuation(seq, max_ngram=3, min_ngram=1, length=3) == [7, 8, 5]  # "2 3" last seen before 7
     assert lookup_continuation(torch.tensor([4, 5, 6]), 3, 1, 3) == []
     assert lookup_continuation(torch.tensor([4, 4]), 3, 1, 3) == [4]
+
+
+def test_lookup_match_says_how_long_a_suffix_matched():
+    seq = torch.tensor([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert lookup_match(seq, max_ngram=3, min_ngram=1, length=3) == (2, [7, 8, 5])
+    assert lookup_match(seq, max_ngram=1, min_ngram=1, length=2) == (1, [7, 8])  # "3" last seen before 7
+    assert lookup_match(torch.tensor([4, 5, 6]), 3, 1, 3) == (0, [])
+    drafter = PromptLookupDrafter(max_ngram=3)
+    assert drafter.match((1, 2, 3, 4, 5, 1, 2, 3), 4) == (3, 4)  # "1 2 3" then 4 5 1 2 (the draft's length)
+    assert drafter.match((1, 2, 3, 4, 1, 2, 3), 8) == (3, 4)  # only 4 tokens follow the match
+    assert drafter.match((1, 2, 3), 4) == (0, 0)
 
 
 def test_lookup_drafter_respects_budget_and_proposes_a_chain():

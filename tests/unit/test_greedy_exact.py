@@ -69,9 +69,10 @@ def test_mixed_batch_matches_generate(models, drafter):
     assert [o.output for o in outs] == refs
 
 
-@pytest.mark.parametrize("drafter", ["chain", "tree", "hybrid"])
+@pytest.mark.parametrize("drafter", ["chain", "tree", "hybrid", "lookup"])
 def test_depths_capped_by_measured_costs_stay_exact(models, drafter):
-    """With measured-cost caps (load_control.py) depths follow timing; the tokens must not."""
+    """With measured-cost caps (load_control.py) depths follow timing (and, for lookup, each
+    sequence's match); the tokens must not."""
     target, draft, refs = models
     costs = StepCosts()
     outs = decoder(target, draft, drafter, costs=costs).generate(PROMPTS, GREEDY)
