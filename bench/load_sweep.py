@@ -195,6 +195,7 @@ def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": tokens,
         "seconds": wall,
         "tokens_per_s": sum(r["steady_tokens"] for r in results) / window,
+        "pass_tokens_per_s": [sum(r["steady_tokens"] for r in p["results"]) / p["window"] for p in passes],
         "wall_tokens_per_s": tokens / wall,
         "steady_seconds": window,
         "ttft_p50": _pct(ttft, 50),
@@ -259,6 +260,8 @@ def summarize(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         base = by.get((baseline(r["mode"], measured) or "", r["concurrency"]))
         r["vs_off"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        mine, theirs = r.get("pass_tokens_per_s", []), base.get("pass_tokens_per_s", []) if base else []
+        r["vs_off_by_pass"] = [a / b for a, b in zip(mine, theirs, strict=True)] if theirs else []
         r["bound"] = r["efficiency"] = float("nan")
         if base and r["concurrency"] == 1 and r["verify_s"] + r["draft_s"] > 0:
             r["bound"] = r["acceptance_length"] * base["verify_s"] / (r["verify_s"] + r["draft_s"])
@@ -292,12 +295,12 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     summarize(rows)
     columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "L", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
     columns += ["ITL p99 ms"]
-    columns += ["verify ms", "draft ms", "bound", "efficiency"]
+    columns += ["verify ms", "draft ms", "bound", "efficiency", "vs off by pass"]
     table = [
         [r["mode"], r["concurrency"], r["tokens_per_s"], r["vs_off"], r.get("wall_tokens_per_s", float("nan"))]
         + [r["acceptance_length"], r["ttft_p50"]]
         + [r["ttft_p99"], 1e3 * r["itl_p50"], 1e3 * r["itl_p99"], 1e3 * r["verify_s"], 1e3 * r["draft_s"]]
-        + [r["bound"], r["efficiency"]]
+        + [r["bound"], r["efficiency"], " ".join(f"{x:.2f}" for x in r.get("vs_off_by_pass", []))]
         for r in sorted(rows, key=lambda r: (r["concurrency"], arms(args.modes).index(r["mode"])))
     ]
     intro = (
@@ -313,7 +316,8 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "vs off: tok/s over the same application's off at the same concurrency. L: output tokens per target "
         "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
         "L*T/(V+D) with T = off's verify compute per step, V, D = this mode's verify and draft compute "
-        "per step (inside the workers); efficiency = vs off / bound.\n\n"
+        "per step (inside the workers); efficiency = vs off / bound. vs off by pass: each pass's tok/s "
+        "over its off's in the same pass (arms adjacent in time): their spread is the machine's noise.\n\n"
     )
     data = {"config": vars(args), "rows": rows}
     figure = f"\n\n![sweep]({args.name}.png)"
