@@ -35,7 +35,7 @@ from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts, plan_depths
+from speculative.load_control import Planned, StepCosts, plan_depths
 from speculative.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class Lane:
         self.drafted = [False] * n  # group holds proposals not yet verified
         self.release_draft: list[list[str]] = [[] for _ in range(n)]
         # per group, the planned round's expected tokens (StepCosts.last_predicted; None: plain)
-        self.predicted: list[tuple[float, float] | None] = [None] * n
+        self.predicted: list[Planned | None] = [None] * n
         self.release_target: list[list[str]] = [[] for _ in range(n)]
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         self._draft_off_until = 0.0
@@ -199,13 +199,18 @@ class Lane:
         pool = self.ctx.draft
         if pool is not None and time.time() >= self._draft_off_until and any(r.budget for r in requests):
             try:
+                called = time.perf_counter()
                 drafted: Drafted = await asyncio.wait_for(
                     pool.call("propose", self.key, self.cache_key(g), requests, self.release_draft[g]),
                     self.ctx.config.draft_timeout_s,
                 )
                 self.release_draft[g] = []
                 proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
-                self.ctx.costs.observe_draft([x.seq for x in lives], [p.tree for p in proposals], drafted.work.seconds)
+                # Priced as the round waits for it, the call included: only drafting rounds pay for the
+                # hop to the draft pool (prompt lookup's work is ~0.1 ms, its call several ms).
+                waited = time.perf_counter() - called
+                trees = [p.tree for p in proposals]
+                self.ctx.costs.observe_draft([x.seq for x in lives], trees, waited, self.predicted[g])
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts, plan_depths
+from speculative.load_control import Planned, StepCosts, plan_depths
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
 from speculative.target import TargetVerifier, VerifyItem
@@ -157,7 +157,7 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         if self.costs is not None:
             predicted = self.costs.last_predicted
-            self._observe(seqs, proposals, [len(v.accepted) for v in verdicts], t1 - t0, t2 - t1)
+            self._observe(seqs, proposals, [len(v.accepted) for v in verdicts], t1 - t0, t2 - t1, predicted)
             self.costs.observe_round(predicted, sum(len(v.tokens) for v in verdicts))
         outputs = [
             self._commit(seq, prop, v.tokens, len(v.accepted))
@@ -180,10 +180,16 @@ class SpeculativeDecoder:
         return self.drafter.propose(requests)
 
     def _observe(
-        self, seqs: list[Sequence], proposals: list[Proposal], accepted: list[int], draft_s: float, verify_s: float
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        accepted: list[int],
+        draft_s: float,
+        verify_s: float,
+        planned: Planned | None,
     ) -> None:
         assert self.costs is not None
-        self.costs.observe_draft(seqs, [p.tree for p in proposals], draft_s)
+        self.costs.observe_draft(seqs, [p.tree for p in proposals], draft_s, planned)
         self.costs.observe_verify(seqs, [p.tree for p in proposals], verify_s, accepted)
 
     def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:

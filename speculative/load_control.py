@@ -14,11 +14,12 @@ where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, w t
 drafted per unit of depth (1 for chains), P the tokens the runner computes for rows of those
 lengths (their sum: a forward packs its rows, `packing`, so a drafted token costs one token's
 compute whatever the batch, not a row's worth of padding), V(x) the measured seconds of a verify
-forward over x tokens, D(n, k) of a k-deep draft round over n
-sequences, c_i the tokens the draft model must catch up on before sequence i drafts (its prompt if
-it never drafted, every token since if it stopped: `catch_up`), spread over the rounds the sequence
-has left (it is paid once), and C the measured seconds per caught-up token. Drafted tokens are
-counted at 1/`min_gain` (1.1) of their expected number: what drafting adds must come at least 10 %
+forward over x tokens, D(n, k) of a k-deep draft round over n sequences as the round waits for it
+(the call to the draft pool included), c_i the tokens the draft model must catch up on before
+sequence i drafts (its prompt if it never drafted, every token since if it stopped: `catch_up`),
+spread over the rounds the sequence has left (it is paid once), and C the measured seconds per
+caught-up token. Drafted tokens are counted at 1/`min_gain` (1.1; 2 for prompt lookup, whose
+estimates are the least sure) of their expected number: what drafting adds must come at least 10 %
 cheaper per token than plain decoding's tokens, a margin on the drafted part alone. (A margin on the
 whole round's rate would ask a sequence quoting its prompt among 16 to speed up all 16 by 10 %.)
 
@@ -44,9 +45,12 @@ last `refresh_rounds` verifies, the round is plain (capped sequences draft nothi
 What the model leaves out on the token side (acceptance estimates that run high: the sequences
 whose drafts look best are partly the lucky ones) is learned as one factor: the drafted tokens a
 round committed over those it was expected to, applied to every drafted token's expected gain (a
-winner's curse discount). Plain rounds move it back toward 1, so a lane that stopped drafting tries
-again now and then. Time is left to the measured curves: a round's seconds drift by several percent
-on a shared machine, which on the whole round's rate would swamp what a few sequences drafting add.
+winner's curse discount). On the time side, the verify forward is left to its measured curve: a
+round's seconds drift by several percent on a shared machine, which on the whole round's rate would
+swamp what a few sequences drafting add. The draft call, timed on its own, is compared with its plan
+as a second factor on D: catching up, charged spread over the rounds a sequence has left, is paid
+again by a sequence that drafts now and then. Plain rounds move both back toward 1, so a lane that
+stopped drafting tries again now and then.
 
 Depths change which tokens are drafted, never which are committed under greedy decoding or under
 target-sample matching (deterministic drafts: the committed token at each position is the keyed
@@ -61,7 +65,7 @@ import itertools
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from speculative.adaptive import expected_tokens, tally
 from speculative.drafters.lookup import PromptLookupDrafter
@@ -140,6 +144,14 @@ class _Curve:
         return pts[-1][1]  # not reached
 
 
+class Planned(NamedTuple):
+    """A drafting round as planned: what the calibrations compare it with when it ends."""
+
+    base: float  # expected tokens without the load-capped drafts (one per sequence, plus uncapped drafts)
+    drafted: float  # expected tokens from them
+    draft_seconds: float  # the draft call's predicted seconds, uncalibrated
+
+
 @dataclass
 class StepCosts:
     """A lane's measured verify and draft costs."""
@@ -150,14 +162,15 @@ class StepCosts:
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
     min_gain: float = 1.1  # drafted tokens count at 1/min_gain of their expected number (a margin)
-    probe_cost: float = 0.1  # a probe round may cost this much more than the round it replaces
+    lookup_min_gain: float = 2.0  # the same for prompt lookup's drafts (see plan_depths)
+    probe_cost: float = 0.03  # a probe round may cost this much more than the round it replaces
     probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
     rounds: int = 0  # rounds planned
     calibration: float = 1.0  # drafted tokens committed over expected, drafting rounds (decayed)
     calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
     calibration_relax: float = 0.005  # per plain round, the calibration moves this far back toward 1
-    last_predicted: tuple[float, float] | None = None  # the round just planned: expected tokens without
-    # and from the load-capped drafts (None: no such drafts)
+    draft_calibration: float = 1.0  # draft calls' seconds over those predicted, drafting rounds (decayed)
+    last_predicted: Planned | None = None  # the round just planned (None: no load-capped drafts)
     draft_token: float | None = None  # seconds per token the draft model catches up on (decayed mean)
     pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
     pooled_accepted: float = 0.0  # decayed draft tokens accepted, all sequences of the lane
@@ -192,18 +205,17 @@ class StepCosts:
                     own = seq.stats.lookup_tally.get(n, (0.0, 0.0))
                     seq.stats.lookup_tally[n] = tally(*own, seq.depth.config.memory, proposed, kept)
 
-    def observe_round(self, predicted: tuple[float, float] | None, tokens: int) -> None:
+    def observe_round(self, predicted: Planned | None, tokens: int) -> None:
         """A planned round ended with `tokens` committed; `predicted`: its `last_predicted`.
 
         Drafting rounds calibrate the drafted tokens' expected number against what they delivered;
-        plain rounds let a calibration that stopped drafting drift back toward 1, so drafting is
-        tried again later.
+        plain rounds let both calibrations drift back toward 1, so drafting is tried again later.
         """
         if predicted is None:
             self.calibration += self.calibration_relax * (1.0 - self.calibration)
-        elif predicted[1] > 0:
-            base, drafted = predicted
-            ratio = min(max((tokens - base) / drafted, 0.0), 2.0)
+            self.draft_calibration += self.calibration_relax * (1.0 - self.draft_calibration)
+        elif predicted.drafted > 0:
+            ratio = min(max((tokens - predicted.base) / predicted.drafted, 0.0), 2.0)
             self.calibration = self.calibration_memory * self.calibration + (1 - self.calibration_memory) * ratio
 
     def acceptance_prior(self, default: float, ngram: int = 0) -> float:
@@ -211,22 +223,30 @@ class StepCosts:
         a lane whose first drafts all missed must not conclude that none will ever land. With `ngram`
         (prompt lookup), that of drafts from matches of that length only: on the load sweep's mix a
         1-gram match's first token was right 25 % of the time, a 3-gram match's 80 %."""
-        accepted, trials = self.pooled_by_match.get(ngram, (0.0, 0.0)) if ngram else (0.0, 0.0)
-        if not ngram:
-            accepted, trials = self.pooled_accepted, self.pooled_trials
+        pooled = self.pooled_accepted, self.pooled_trials
+        accepted, trials = self.pooled_by_match.get(ngram, (0.0, 0.0)) if ngram else pooled
         return (accepted + 4.0 * default) / (trials + 4.0)
 
-    def observe_draft(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float) -> None:
-        """A draft call that proposed `trees` for `seqs` took `seconds`.
+    def observe_draft(
+        self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, planned: Planned | None = None
+    ) -> None:
+        """A draft call that proposed `trees` for `seqs` took `seconds`; `planned`: the round's plan.
 
         A call in which the draft model caught up on many tokens (a new sequence's prompt, or one that
         has not drafted for a while: `catch_up`) measures the cost of catching up per token, beyond
         what a round of that size costs, not the cost of a round: it would price later rounds out.
+        Against the plan, calls calibrate the draft side as a whole: catching up is charged spread over
+        the rounds a sequence has left, which holds while it keeps drafting; one that drafts now and
+        then pays it again each time it resumes, and those calls take longer than planned.
         """
         depths = [max(t.depths) for t in trees]
         drafting = [s for s, d in zip(seqs, depths, strict=True) if d]
         if not drafting:
             return
+        if planned is not None and planned.draft_seconds > 0:
+            ratio = min(max(seconds / planned.draft_seconds, 0.5), 4.0)
+            memory = self.calibration_memory
+            self.draft_calibration = memory * self.draft_calibration + (1 - memory) * ratio
         caught_up = sum(s.stats.draft_catch_up for s in drafting)
         if caught_up >= CATCH_UP_MEASURED:
             base = self.draft_step(len(drafting))
@@ -257,6 +277,7 @@ def choose_depths(
     capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
     catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
     probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
+    min_gain: float | None = None,  # the margin on drafted tokens; None: costs.min_gain
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -292,19 +313,20 @@ def choose_depths(
     if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
         return depths  # a plain round measures it (the alternative every choice is weighed against)
     catch = catch_ups or [0] * n
+    margin = min_gain or costs.min_gain
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
     best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch), 0.0
     for m, (gain, i) in enumerate(gains, start=1):
         depths[i] += 1
         drafted += gain
-        rate = _rate(plain + drafted * costs.calibration / costs.min_gain, depths, costs, overlapped, catch)
+        rate = _rate(plain + drafted * costs.calibration / margin, depths, costs, overlapped, catch)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
     for _, i in gains[:best_m]:
         chosen[i] += 1
-    if best_m:  # what calibration compares the committed tokens with: the expected ones, undiscounted
-        costs.last_predicted = (plain, sum(g for g, _ in gains[:best_m]))
+    if best_m:  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
+        costs.last_predicted = Planned(plain, sum(g for g, _ in gains[:best_m]), _draft_seconds(chosen, costs, catch))
     probes = probes or {}
     due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:
@@ -325,11 +347,19 @@ def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, 
 def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
     """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence."""
     verify = costs.verify(sum(1 + round(costs.nodes_per_depth * d) for d in depths)) or 0.0
-    drafting = sum(1 for d in depths if d)  # the draft round runs over these sequences only
-    draft = (costs.draft_step(drafting) or 0.0) * max(depths) if drafting else 0.0
-    if drafting and costs.draft_token:
-        draft += costs.draft_token * sum(c for c, d in zip(catch, depths, strict=True) if d)
+    draft = _draft_seconds(depths, costs, catch) * costs.draft_calibration
     return max(verify, draft) if overlapped else verify + draft
+
+
+def _draft_seconds(depths: list[int], costs: StepCosts, catch: list[float]) -> float:
+    """The draft call's seconds by the curves (uncalibrated): a round over the drafting sequences only."""
+    drafting = sum(1 for d in depths if d)
+    if not drafting:
+        return 0.0
+    draft = (costs.draft_step(drafting) or 0.0) * max(depths)
+    if costs.draft_token:
+        draft += costs.draft_token * sum(c for c, d in zip(catch, depths, strict=True) if d)
+    return draft
 
 
 def plan_depths(
@@ -387,7 +417,12 @@ def plan_depths(
     if costs.rounds % costs.probe_every == 0:
         held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > costs.probe_every)
         probes = {i: float(catch_ups[i]) for i in held}
-    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes)
+    # Lookup's estimates are the least sure (the same sequence quotes, then matches by chance), so its
+    # drafted tokens must come at half the price of plain decoding's. At one stream a lookup token costs
+    # ~2 % of a step and the margin changes nothing; under load it keeps only the drafts that clearly
+    # pay (load sweep, c = 8-32 at the 1.1 margin: L up 8-15 % and the forward's cost up as much).
+    margin = costs.lookup_min_gain if lookup else None
+    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, margin)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
     for s, d, c in zip(seqs, depths, catch_ups, strict=True):

@@ -24,6 +24,8 @@ def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
     return c
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
 # A CPU-like verify: flat to 8 tokens, then linear (MODELS.md, Qwen 1.5B bf16: 190 ms, x2.06 at 32).
 CPU = {1: 0.19, 8: 0.21, 16: 0.28, 32: 0.39, 64: 0.78, 128: 1.56, 256: 3.12}
 
@@ -217,13 +219,37 @@ def test_drafting_that_does_not_deliver_what_was_predicted_stops_and_is_tried_ag
     assert choose_depths(wants, acc, c, 4) != [0] * 4
     predicted = c.last_predicted
     assert predicted is not None
-    base, drafted = predicted
+    base, drafted = predicted.base, predicted.drafted
     for _ in range(20):  # each drafting round commits 2 of the ~8 drafted tokens expected (lucky estimates)
         c.observe_round(predicted, int(base) + 2)
     assert c.calibration == pytest.approx(2 / drafted, abs=0.03)
     assert choose_depths(wants, acc, c, 4) == [0] * 4 and c.last_predicted is None
     for _ in range(250):  # plain rounds: the calibration drifts back, and drafting is tried again
         c.verify.observe(4, 0.2)
+        c.observe_round(None, 4)
+    assert choose_depths(wants, acc, c, 4) != [0] * 4
+
+
+def test_draft_calls_slower_than_planned_make_drafting_pricier_until_they_are_not() -> None:
+    """A sequence that drafts now and then pays its catch-up again each time it resumes, while the plan
+    spread it over the rounds left: the calls take longer than planned, and drafting stops paying."""
+    c = costs({1: 0.2, 4: 0.2, 16: 0.22}, {4: 0.06})
+    wants, acc = [4] * 4, [0.8] * 4
+    seqs = [Sequence(f"s{i}", [1, 2, 3], GREEDY, AdaptiveDepth(AdaptiveConfig())) for i in range(4)]
+    trees = [TokenTree.chain(3, [7, 8, 9])] * 4
+    assert choose_depths(wants, acc, c, 4) == [3] * 4
+    planned = c.last_predicted
+    assert planned is not None and planned.draft_seconds == pytest.approx(0.18)
+    c.observe_draft(seqs, trees, planned.draft_seconds, planned)  # as planned: no change
+    assert c.draft_calibration == pytest.approx(1.0)
+    for seq in seqs:
+        seq.stats.draft_catch_up = 10  # each resumed, catching up on 10 tokens
+    for _ in range(20):  # and each call takes 4x its plan
+        c.observe_draft(seqs, trees, 4 * planned.draft_seconds, planned)
+    assert c.draft_calibration > 3.5
+    assert c.draft_step(4) == pytest.approx(0.06)  # catch-up calls price catching up, not a round
+    assert choose_depths(wants, acc, c, 4) == [0] * 4
+    for _ in range(400):  # plain rounds: it drifts back, and drafting is tried again
         c.observe_round(None, 4)
     assert choose_depths(wants, acc, c, 4) != [0] * 4
 
@@ -245,11 +271,11 @@ def test_a_sequence_held_at_zero_probes_when_a_probe_is_cheap() -> None:
     seq = Sequence("a", [1, 2, 3], greedy, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
     seq.depth.accepted, seq.depth.trials, seq.depth.prior_weight = 1.5, 10.0, 0.0  # acceptance 0.15
     seq.stats.steps, seq.stats.drafted_at = 20, 11  # 9 rounds at 0
-    # Prompt lookup (free drafts); a second token costs the forward 7.5 %: drafting at a = 0.15, in a
-    # lane whose drafts delivered half what was expected, does not pay; a probe costs less than
+    # Prompt lookup (free drafts); a second token costs the forward 2.5 %: drafting at a = 0.15, in a
+    # lane whose drafts delivered a tenth of what was expected, does not pay; a probe costs less than
     # probe_cost (and is how the lane finds out whether this sequence's drafts land now).
-    mild = costs({1: 0.2, 2: 0.215, 4: 0.24, 8: 0.25}, {1: 0.0001})
-    mild.calibration = 0.5
+    mild = costs({1: 0.2, 2: 0.205, 4: 0.24, 8: 0.25}, {1: 0.0001})
+    mild.calibration = 0.1
     assert plan_depths([seq], mild, 4) == [0]  # not a probe round
     mild.rounds = mild.probe_every - 1  # the next round is one
     assert plan_depths([seq], mild, 4) == [1]
