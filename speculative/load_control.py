@@ -382,18 +382,19 @@ def plan_depths(
     wants = [max(min(s.depth.next_depth(), s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
     if costs is None:
         return [min(w, cap) for w in wants]
-    # (matched n-gram, tokens the lookup would draft); (0, want) when the drafter is not lookup
+    capped = [s.params.greedy or not drafts_sampled for s in seqs]
+    # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
+    # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
+    # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
+    wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
+    # (matched n-gram, tokens the lookup would draft), looked up only where a draft is wanted;
+    # (0, want) when the drafter is not lookup
     matches = [
         lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
     ]
     wants = [min(w, found) for w, (_, found) in zip(wants, matches, strict=True)]
     for s, (n, _) in zip(seqs, matches, strict=True):
         s.stats.lookup_ngram = n
-    capped = [s.params.greedy or not drafts_sampled for s in seqs]
-    # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
-    # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
-    # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
-    wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
     # a constant, so a workload the draft guesses badly does not draft on every arrival.
     default = seqs[0].depth.config.prior_acceptance if seqs else 0.0
