@@ -165,6 +165,7 @@ class StepCosts:
     lookup_min_gain: float = 2.0  # the same for prompt lookup's drafts (see plan_depths)
     probe_cost: float = 0.03  # a probe round may cost this much more than the round it replaces
     probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
+    probe_hope: float = 0.9  # a probe looks for drafts this good: none where even they would not pay
     rounds: int = 0  # rounds planned
     calibration: float = 1.0  # drafted tokens committed over expected, drafting rounds (decayed)
     calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
@@ -289,13 +290,57 @@ def choose_depths(
     A sequence kept at depth 0 gathers no evidence, so an estimate that fell while the text was
     unpredictable (a preamble before the quoted code) would hold it there for good: sequences due a
     probe draft one token if, catch-up paid in full, that makes the round at most `probe_cost`
-    longer. Probes come in rounds of their own (`plan_depths`), so under load they share one
-    forward and one draft call instead of taxing every round.
+    longer, and only where drafts as good as `probe_hope` would pay at this load: where not even
+    they would (a draft model under heavy load), what a probe finds could change nothing. Probes
+    come in rounds of their own (`plan_depths`), so under load they share one forward and one draft
+    call instead of taxing every round.
     """
     costs.last_predicted = None
     n = len(wants)
     capped = capped or [True] * n
     depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
+    if not any(c and min(w, cap) for w, c in zip(wants, capped, strict=True)):
+        return depths
+    if not costs.verify.points or costs.draft_step(n) is None:  # unmeasured: draft as deep as allowed once
+        return [min(w, cap) for w in wants]  # (no prediction: the round does not calibrate)
+    age = costs.verify.age(n)
+    if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
+        return depths  # a plain round measures it (the alternative every choice is weighed against)
+    catch = catch_ups or [0] * n
+    margin = min_gain or costs.min_gain
+    chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margin)
+    if drafted:  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
+        costs.last_predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch))
+    probes = probes or {}
+    due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
+    if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
+        hope = set(due)
+        hoped = [max(a, costs.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
+        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margin)
+        due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
+    if due:
+        full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
+        limit = _seconds(chosen, costs, overlapped, full) * (1 + costs.probe_cost)
+        for i in sorted(due, key=lambda i: -acceptances[i]):
+            chosen[i] = 1
+            if _seconds(chosen, costs, overlapped, full) > limit:
+                chosen[i] = 0
+    return chosen
+
+
+def _best_depths(
+    wants: list[int],
+    acceptances: list[float],
+    costs: StepCosts,
+    cap: int,
+    overlapped: bool,
+    capped: list[bool],
+    catch: list[float],
+    margin: float,
+) -> tuple[list[int], float, float]:
+    """The depths with the most expected tokens per second (costs measured), the expected tokens of
+    the round without the load-capped drafts, and those the chosen drafts add (undiscounted)."""
+    depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
     gains = sorted(
         (
             (a**j, i)
@@ -305,15 +350,6 @@ def choose_depths(
         ),
         key=lambda g: -g[0],
     )
-    if not gains:
-        return depths
-    if not costs.verify.points or costs.draft_step(n) is None:  # unmeasured: draft as deep as allowed once
-        return [min(w, cap) for w in wants]  # (no prediction: the round does not calibrate)
-    age = costs.verify.age(n)
-    if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
-        return depths  # a plain round measures it (the alternative every choice is weighed against)
-    catch = catch_ups or [0] * n
-    margin = min_gain or costs.min_gain
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
     best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch), 0.0
     for m, (gain, i) in enumerate(gains, start=1):
@@ -325,18 +361,7 @@ def choose_depths(
     chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
     for _, i in gains[:best_m]:
         chosen[i] += 1
-    if best_m:  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
-        costs.last_predicted = Planned(plain, sum(g for g, _ in gains[:best_m]), _draft_seconds(chosen, costs, catch))
-    probes = probes or {}
-    due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
-    if due:
-        full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
-        limit = _seconds(chosen, costs, overlapped, full) * (1 + costs.probe_cost)
-        for i in sorted(due, key=lambda i: -acceptances[i]):
-            chosen[i] = 1
-            if _seconds(chosen, costs, overlapped, full) > limit:
-                chosen[i] = 0
-    return chosen
+    return chosen, plain, sum(g for g, _ in gains[:best_m])
 
 
 def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:

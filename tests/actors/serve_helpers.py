@@ -42,13 +42,24 @@ def deploy_yaml(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 @contextmanager
 def local_ray(**init: Any) -> Iterator[None]:
-    """Ray on this machine; workers import the repo through PYTHONPATH (no working_dir upload)."""
-    ray.init(
-        address="local",  # a fresh instance, even if a `ray start` cluster runs on this machine
-        include_dashboard=False,
-        runtime_env={"env_vars": WORKER_ENV},
-        **init,
-    )
+    """Ray on this machine; workers import the repo through PYTHONPATH (no working_dir upload).
+
+    Ray waits a fixed 30 s for its raylet to register; on a busy 2-core machine it once did not
+    (CI, `test_placement`), so a start that timed out is retried once.
+    """
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                address="local",  # a fresh instance, even if a `ray start` cluster runs on this machine
+                include_dashboard=False,
+                runtime_env={"env_vars": WORKER_ENV},
+                **init,
+            )
+            break
+        except Exception as e:
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
     try:
         yield
     finally:

@@ -286,6 +286,19 @@ def test_a_sequence_held_at_zero_probes_when_a_probe_is_cheap() -> None:
     assert plan_depths([seq], steep, 4) == [0]
 
 
+def test_no_probe_where_even_good_drafts_would_not_pay() -> None:
+    """A probe finds out whether a held sequence's drafts land now. Beside a 32-row round whose
+    every extra token costs 17 ms (2 % of the round: within probe_cost), prompt lookup's drafts,
+    counted at half (lookup_min_gain), would not pay even if right 90 % of the time, so whatever a
+    probe found would change nothing and none is made. At 5 ms a token such drafts would pay,
+    while this sequence's own (acceptance 0.15) still do not: there it probes."""
+    due = {0: 0.0}  # sequence 0 is due a probe, nothing to catch up on (lookup)
+    for slope, probes in [(0.017, False), (0.005, True)]:
+        c = costs({32: 0.78, 64: 0.78 + 32 * slope}, {1: 0.0001, 32: 0.0001})
+        depths = choose_depths([4] * 32, [0.15] * 32, c, 4, probes=due, min_gain=c.lookup_min_gain)
+        assert depths == [int(probes)] + [0] * 31, slope
+
+
 def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     """Lookup drafts cost nothing to find, so depths are weighed knowing them: no match, no draft (not
     even a probe); never deeper than the match has tokens; and under load a sequence quoting its prompt
