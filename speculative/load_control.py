@@ -340,7 +340,8 @@ def _best_depths(
 ) -> tuple[list[int], float, float]:
     """The depths with the most expected tokens per second (costs measured), the expected tokens of
     the round without the load-capped drafts, and those the chosen drafts add (undiscounted)."""
-    depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
+    base = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
+    depths = list(base)
     gains = sorted(
         (
             (a**j, i)
@@ -350,7 +351,7 @@ def _best_depths(
         ),
         key=lambda g: -g[0],
     )
-    plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, depths, strict=True))
+    plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, base, strict=True))
     best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch), 0.0
     for m, (gain, i) in enumerate(gains, start=1):
         depths[i] += 1
@@ -358,7 +359,7 @@ def _best_depths(
         rate = _rate(plain + drafted * costs.calibration / margin, depths, costs, overlapped, catch)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
-    chosen = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]
+    chosen = list(base)
     for _, i in gains[:best_m]:
         chosen[i] += 1
     return chosen, plain, sum(g for g, _ in gains[:best_m])
