@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +15,8 @@ from typing import Any
 import ray
 import yaml
 from ray import serve
+from ray._private.state import actors as gcs_actors  # the GCS's table: needs no dashboard
+from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
 from deploy.app import build_app
@@ -67,9 +71,71 @@ def local_ray(**init: Any) -> Iterator[None]:
         ray.shutdown()
 
 
+def run_app(
+    app: Application, route_prefix: str | None = None, timeout_s: float = 300.0, attempts: int = 1
+) -> DeploymentHandle:
+    """`serve.run(app)` bounded by `timeout_s` (Serve waits forever), failing with what was not up.
+
+    CI once saw a deploy on a simulated multi-node cluster never reach RUNNING, with no message but
+    the test's timeout. Here a deploy that is not up in time is reported (the stuck deployments,
+    pending actors and placement groups, free resources); with `attempts` > 1 the report becomes a
+    warning, the app is deleted and deployed afresh.
+    """
+    for attempt in range(1, attempts + 1):
+        handle = _run_within(app, route_prefix, timeout_s)
+        if handle is not None:
+            return handle
+        report = f"app {APP!r} not RUNNING after {timeout_s:.0f} s (attempt {attempt}/{attempts}):\n"
+        report += not_running_report()
+        if attempt == attempts:
+            raise AssertionError(report)
+        warnings.warn(report, stacklevel=2)
+        serve.delete(APP)
+    raise ValueError(f"attempts must be at least 1, not {attempts}")
+
+
+def _run_within(app: Application, route_prefix: str | None, timeout_s: float) -> DeploymentHandle | None:
+    """`serve.run` in a daemon thread: its handle, its error raised here, or None if still waiting."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["handle"] = serve.run(app, name=APP, route_prefix=route_prefix)
+        except BaseException as e:  # handed to the caller below
+            result["error"] = e
+
+    runner = threading.Thread(target=run, name="serve.run", daemon=True)
+    runner.start()
+    runner.join(timeout_s)
+    if "error" in result:
+        raise result["error"]
+    handle: DeploymentHandle | None = result.get("handle")
+    return handle
+
+
+def not_running_report() -> str:
+    """Deployments that are not healthy, actors that are not alive, and each live node's free resources."""
+    lines = []
+    app = serve.status().applications.get(APP)
+    if app is not None:
+        lines.append(f"app {app.status}: {app.message}")
+        for name, d in app.deployments.items():
+            lines.append(f"  deployment {name} {d.status} replicas {dict(d.replica_states)}: {d.message}")
+    for actor in gcs_actors().values():
+        if actor["State"] not in ("ALIVE", "DEAD"):
+            lines.append(f"  actor {actor['ActorClassName']} {actor['Name']!r} {actor['State']}")
+    for group in ray.util.placement_group_table().values():
+        if group["state"] != "CREATED":
+            lines.append(f"  placement group {group['name']!r} {group['state']} bundles {group['bundles']}")
+    lines.append(f"  free resources {ray.available_resources()}")
+    for node in ray.nodes():
+        lines.append(f"  node {node['NodeID']} alive={node['Alive']} resources {node['Resources']}")
+    return "\n".join(lines)
+
+
 @contextmanager
 def deployed(config: AppConfig) -> Iterator[DeploymentHandle]:
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
+    handle = run_app(build_app(config))
     try:
         yield handle
     finally:

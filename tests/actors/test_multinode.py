@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 
 from deploy.app import app_builder
 from tests.actors.conftest import hf_greedy
-from tests.actors.serve_helpers import APP, WORKER_ENV, deploy_yaml, gather_generate, small_cpu_args
+from tests.actors.serve_helpers import APP, WORKER_ENV, deploy_yaml, gather_generate, run_app, small_cpu_args
 from tests.e2e.test_front_doors import free_port
 from tests.front_router import MODEL_NAME, save_tiny_pair
 
@@ -50,7 +50,7 @@ def test_cluster_yaml_places_each_pool_on_its_node_type(cluster: dict[str, str],
     target, draft, _ = save_tiny_pair(tmp_path)
     config = deploy_yaml("cluster.yaml", small_cpu_args(target, draft, MODEL_NAME))
     (app,) = config["applications"]
-    handle = serve.run(app_builder(app["args"]), name=APP, route_prefix=None)
+    handle = run_app(app_builder(app["args"]), attempts=2)
     try:
         drafted = serve.get_deployment_handle("draft", app_name=APP).describe.remote(lane="where").result()
         verifier = serve.get_deployment_handle("target", app_name=APP).describe.remote(lane="where").result()

@@ -28,7 +28,7 @@ from deploy.config import AppConfig
 from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from tests.actors.serve_helpers import free_port, local_ray, merged, small_cpu_args
+from tests.actors.serve_helpers import free_port, local_ray, merged, run_app, small_cpu_args
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
         )
-        serve.run(build_app(config), name="specserve", route_prefix="/")
+        run_app(build_app(config), route_prefix="/")
         yield {
             "http": f"http://127.0.0.1:{http_port}",
             "grpc": f"127.0.0.1:{grpc_port}",

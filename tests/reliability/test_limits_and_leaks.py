@@ -32,7 +32,7 @@ from deploy.config import AppConfig
 from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from tests.actors.serve_helpers import APP, free_port, local_ray, wait_until
+from tests.actors.serve_helpers import APP, free_port, local_ray, run_app, wait_until
 from tests.front_router import MODEL_NAME, save_tiny_pair
 from tests.reliability.conftest import actor_rss, describe
 from tests.tiny_models import reference_greedy
@@ -78,7 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
         )
-        handle = serve.run(build_app(config), name=APP, route_prefix="/")
+        handle = run_app(build_app(config), route_prefix="/")
         yield Served(handle, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", target)
 
 

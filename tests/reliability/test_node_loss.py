@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 from deploy.app import build_app
 from deploy.config import AppConfig
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
-from tests.actors.serve_helpers import APP, REPO
+from tests.actors.serve_helpers import REPO, run_app
 from tests.reliability.conftest import describe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -68,7 +68,7 @@ def test_losing_a_target_node_mid_load_loses_no_request(
             "router_pool": {"num_cpus": 0.25, "router": {"max_lane_sequences": 2}},
         }
     )
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
+    handle = run_app(build_app(config), attempts=2)
     placed = describe("draft")["node_id"]
     assert placed == draft_node.node_id, "the draft pool runs on the node that advertises draft_node"
 
