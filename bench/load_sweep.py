@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import statistics
 import threading
 import time
@@ -262,10 +263,29 @@ def summarize(rows: list[dict[str, Any]]) -> None:
         r["vs_off"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         mine, theirs = r.get("pass_tokens_per_s", []), base.get("pass_tokens_per_s", []) if base else []
         r["vs_off_by_pass"] = [a / b for a, b in zip(mine, theirs, strict=True)] if theirs else []
+        r["vs_off_ci"] = ratio_interval(r["vs_off_by_pass"])
         r["bound"] = r["efficiency"] = float("nan")
         if base and r["concurrency"] == 1 and r["verify_s"] + r["draft_s"] > 0:
             r["bound"] = r["acceptance_length"] * base["verify_s"] / (r["verify_s"] + r["draft_s"])
             r["efficiency"] = r["vs_off"] / r["bound"]
+
+
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (passes - 1).
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+
+
+def ratio_interval(ratios: list[float]) -> list[float]:
+    """95 % interval of the ratio on/off from per-pass ratios (t interval on their logs), [] under 2 passes.
+
+    Passes pair each arm with its off adjacent in time, so a pass's ratio carries the machine's drift
+    between the two windows; the interval says how far the pooled ratio can be moved by that noise.
+    """
+    if len(ratios) < 2:
+        return []
+    logs = [math.log(x) for x in ratios]
+    half = _T95.get(len(logs) - 1, 2.0) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mid = statistics.fmean(logs)
+    return [math.exp(mid - half), math.exp(mid + half)]
 
 
 def plot(rows: list[dict[str, Any]], stem: Path) -> None:
@@ -295,12 +315,13 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     summarize(rows)
     columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "L", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
     columns += ["ITL p99 ms"]
-    columns += ["verify ms", "draft ms", "bound", "efficiency", "vs off by pass"]
+    columns += ["verify ms", "draft ms", "bound", "efficiency", "vs off by pass", "vs off 95 % CI"]
     table = [
         [r["mode"], r["concurrency"], r["tokens_per_s"], r["vs_off"], r.get("wall_tokens_per_s", float("nan"))]
         + [r["acceptance_length"], r["ttft_p50"]]
         + [r["ttft_p99"], 1e3 * r["itl_p50"], 1e3 * r["itl_p99"], 1e3 * r["verify_s"], 1e3 * r["draft_s"]]
         + [r["bound"], r["efficiency"], " ".join(f"{x:.2f}" for x in r.get("vs_off_by_pass", []))]
+        + ["-".join(f"{x:.2f}" for x in r.get("vs_off_ci", [])) or "-"]
         for r in sorted(rows, key=lambda r: (r["concurrency"], arms(args.modes).index(r["mode"])))
     ]
     intro = (
@@ -317,7 +338,9 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
         "L*T/(V+D) with T = off's verify compute per step, V, D = this mode's verify and draft compute "
         "per step (inside the workers); efficiency = vs off / bound. vs off by pass: each pass's tok/s "
-        "over its off's in the same pass (arms adjacent in time): their spread is the machine's noise.\n\n"
+        "over its off's in the same pass (arms adjacent in time): their spread is the machine's noise; "
+        "vs off 95 % CI: the t interval of those ratios (on their logs), the range that noise leaves the "
+        "ratio in.\n\n"
     )
     data = {"config": vars(args), "rows": rows}
     figure = f"\n\n![sweep]({args.name}.png)"
