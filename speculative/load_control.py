@@ -436,7 +436,7 @@ def plan_depths(
         max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
         for s, a, w in zip(seqs, acceptances, wants, strict=True)
     ]
-    catch_ups = [catch_up(s) for s in seqs]
+    catch_ups = [0 if lookup else catch_up(s) for s in seqs]  # lookup keeps no cache to catch up
     charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
     # Every probe_every-th round is a probe round for sequences that have not drafted for as long.
     costs.rounds += 1

@@ -340,3 +340,19 @@ def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     # misses, and the chance matches draft on the lane's record (mostly the quoting drafts).
     blind = plan_depths(batch, c, 4)
     assert blind[0] == 0 and all(blind[1:])
+
+
+def test_prompt_lookup_has_nothing_to_catch_up_on() -> None:
+    """A draft model prefills each sequence it has not drafted for; prompt lookup has no cache, so its
+    first drafting round is not a catch-up call: it measures the draft round's cost, and the next
+    round is planned from it instead of drafting every match as deep as allowed again (a cold lane
+    at c = 16 did so for three rounds: 54 drafted tokens, most missed)."""
+    lookup = PromptLookupDrafter(max_ngram=3)
+    quoting = Sequence("q", list(range(40)) + [5, 6, 7], GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
+    quoting.stats.steps = 1  # prefilled; never drafted
+    c = costs(CPU, {})
+    (depth,) = plan_depths([quoting], c, 4, lookup=lookup)
+    assert depth == 4 and quoting.stats.draft_catch_up == 0  # unmeasured: drafts, with no catch-up
+    c.observe_draft([quoting], [TokenTree.chain(7, [8, 9, 10, 11])], 0.0004)
+    assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.0001)]  # the round, per depth
+    assert c.draft_token is None
