@@ -270,7 +270,7 @@ def summarize(rows: list[dict[str, Any]]) -> None:
             r["efficiency"] = r["vs_off"] / r["bound"]
 
 
-# Two-sided 95 % quantiles of Student's t by degrees of freedom (passes - 1).
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (passes - 1); past 10, 10's (wider).
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 
 
@@ -283,7 +283,7 @@ def ratio_interval(ratios: list[float]) -> list[float]:
     if len(ratios) < 2:
         return []
     logs = [math.log(x) for x in ratios]
-    half = _T95.get(len(logs) - 1, 2.0) * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = _T95[min(len(logs) - 1, 10)] * statistics.stdev(logs) / math.sqrt(len(logs))
     mid = statistics.fmean(logs)
     return [math.exp(mid - half), math.exp(mid + half)]
 

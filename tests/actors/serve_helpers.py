@@ -81,17 +81,18 @@ def run_app(
     pending actors and placement groups, free resources); with `attempts` > 1 the report becomes a
     warning, the app is deleted and deployed afresh.
     """
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, not {attempts}")
     for attempt in range(1, attempts + 1):
         handle = _run_within(app, route_prefix, timeout_s)
         if handle is not None:
             return handle
         report = f"app {APP!r} not RUNNING after {timeout_s:.0f} s (attempt {attempt}/{attempts}):\n"
         report += not_running_report()
-        if attempt == attempts:
-            raise AssertionError(report)
-        warnings.warn(report, stacklevel=2)
-        serve.delete(APP)
-    raise ValueError(f"attempts must be at least 1, not {attempts}")
+        if attempt < attempts:
+            warnings.warn(report, stacklevel=2)
+            serve.delete(APP)
+    raise AssertionError(report)
 
 
 def _run_within(app: Application, route_prefix: str | None, timeout_s: float) -> DeploymentHandle | None:
@@ -114,7 +115,8 @@ def _run_within(app: Application, route_prefix: str | None, timeout_s: float) ->
 
 
 def not_running_report() -> str:
-    """Deployments that are not healthy, actors that are not alive, and each live node's free resources."""
+    """The app's deployments, actors pending or restarting, unplaced placement groups, the cluster's
+    free resources and each node's total."""
     lines = []
     app = serve.status().applications.get(APP)
     if app is not None:
