@@ -31,7 +31,7 @@ class SequenceStats:
     draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
     drafted_at: int = -2  # `steps` when it last drafted
     draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
-    lookup_ngram: int = 0  # prompt lookup: the suffix n-gram its last planned draft matched (0: none)
+    lookup_run: int = 0  # prompt lookup: the `run_class` of its last planned draft's match (0: none)
     lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
 
     @property

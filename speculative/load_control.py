@@ -18,10 +18,11 @@ forward over x tokens, D(n, k) of a k-deep draft round over n sequences as the r
 (the call to the draft pool included), c_i the tokens the draft model must catch up on before
 sequence i drafts (its prompt if it never drafted, every token since if it stopped: `catch_up`),
 spread over the rounds the sequence has left (it is paid once), and C the measured seconds per
-caught-up token. Drafted tokens are counted at 1/`min_gain` (1.1; 2 for prompt lookup, whose
-estimates are the least sure) of their expected number: what drafting adds must come at least 10 %
-cheaper per token than plain decoding's tokens, a margin on the drafted part alone. (A margin on the
-whole round's rate would ask a sequence quoting its prompt among 16 to speed up all 16 by 10 %.)
+caught-up token. Drafted tokens are counted at 1/`min_gain` (1.1; 2 for prompt lookup's drafts
+from chance matches, whose estimates are the least sure, unlike quotes': `QUOTE_RUN`) of their
+expected number: what drafting adds must come at least 10 % cheaper per token than plain decoding's
+tokens, a margin on the drafted part alone. (A margin on the whole round's rate would ask a sequence
+quoting its prompt among 16 to speed up all 16 by 10 %.)
 
 Going one level deeper in sequence i gains a_i^(d_i+1) tokens, so the best allocation of m draft
 tokens takes the m largest gains and only m is searched. All zero is plain decoding (no draft
@@ -68,10 +69,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from speculative.adaptive import expected_tokens, tally
-from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.drafters.lookup import PromptLookupDrafter, run_prior
 from speculative.tree import TokenTree
 
 CATCH_UP_MEASURED = 8  # catch-up tokens in a draft call from which it prices catching up, not a round
+QUOTE_RUN = 8  # prompt lookup: a match whose run (`lookup.run_class`) is this long is text being quoted
 SPREAD = 1.5  # cost-curve points closer in size than this factor are averaged (their slope is noise)
 
 if TYPE_CHECKING:
@@ -162,7 +164,7 @@ class StepCosts:
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
     min_gain: float = 1.1  # drafted tokens count at 1/min_gain of their expected number (a margin)
-    lookup_min_gain: float = 2.0  # the same for prompt lookup's drafts (see plan_depths)
+    lookup_min_gain: float = 2.0  # the same for prompt lookup's drafts from short runs (see plan_depths)
     probe_cost: float = 0.03  # a probe round may cost this much more than the round it replaces
     probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
     probe_hope: float = 0.9  # a probe looks for drafts this good: none where even they would not pay
@@ -176,7 +178,7 @@ class StepCosts:
     pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
     pooled_accepted: float = 0.0  # decayed draft tokens accepted, all sequences of the lane
     pooled_trials: float = 0.0  # decayed accept/reject decisions, all sequences of the lane
-    pooled_by_match: dict[int, tuple[float, float]] = field(default_factory=dict)  # lookup: n-gram -> the pair
+    pooled_by_match: dict[int, tuple[float, float]] = field(default_factory=dict)  # lookup: run class -> the pair
 
     def __post_init__(self) -> None:
         self.verify = _Curve(self.memory)
@@ -199,7 +201,7 @@ class StepCosts:
             if proposed:  # the tally of adaptive.AdaptiveDepth.update, over every sequence of the lane
                 pooled = self.pooled_accepted, self.pooled_trials
                 self.pooled_accepted, self.pooled_trials = tally(*pooled, self.pooled_memory, proposed, kept)
-                n = seq.stats.lookup_ngram  # and apart by how long a match the lookup draft came from
+                n = seq.stats.lookup_run  # and apart by how long a match the lookup draft came from
                 if n:
                     pooled = self.pooled_by_match.get(n, (0.0, 0.0))
                     self.pooled_by_match[n] = tally(*pooled, self.pooled_memory, proposed, kept)
@@ -219,13 +221,14 @@ class StepCosts:
             ratio = min(max((tokens - predicted.base) / predicted.drafted, 0.0), 2.0)
             self.calibration = self.calibration_memory * self.calibration + (1 - self.calibration_memory) * ratio
 
-    def acceptance_prior(self, default: float, ngram: int = 0) -> float:
+    def acceptance_prior(self, default: float, run: int = 0) -> float:
         """The lane's recent acceptance, leaning on `default` (4 decisions' worth) while it has few:
-        a lane whose first drafts all missed must not conclude that none will ever land. With `ngram`
-        (prompt lookup), that of drafts from matches of that length only: on the load sweep's mix a
-        1-gram match's first token was right 25 % of the time, a 3-gram match's 80 %."""
+        a lane whose first drafts all missed must not conclude that none will ever land. With `run`
+        (prompt lookup: a `lookup.run_class`), that of drafts from matches in that class only: on the
+        load sweep's mix, drafts from runs of 1-4 tokens were right 25 % of the time, from 6 or more
+        every time."""
         pooled = self.pooled_accepted, self.pooled_trials
-        accepted, trials = self.pooled_by_match.get(ngram, (0.0, 0.0)) if ngram else pooled
+        accepted, trials = self.pooled_by_match.get(run, (0.0, 0.0)) if run else pooled
         return (accepted + 4.0 * default) / (trials + 4.0)
 
     def observe_draft(
@@ -278,7 +281,7 @@ def choose_depths(
     capped: list[bool] | None = None,  # [n] False: the sequence drafts min(want, cap) whatever the load
     catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
     probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
-    min_gain: float | None = None,  # the margin on drafted tokens; None: costs.min_gain
+    min_gains: list[float] | None = None,  # [n] the margin on each sequence's drafted tokens; None: min_gain
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -307,8 +310,8 @@ def choose_depths(
     if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
         return depths  # a plain round measures it (the alternative every choice is weighed against)
     catch = catch_ups or [0] * n
-    margin = min_gain or costs.min_gain
-    chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margin)
+    margins = min_gains or [costs.min_gain] * n
+    chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margins)
     if drafted:  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
         costs.last_predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch))
     probes = probes or {}
@@ -316,7 +319,7 @@ def choose_depths(
     if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
         hope = set(due)
         hoped = [max(a, costs.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
-        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margin)
+        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins)
         due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
     if due:
         full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
@@ -336,16 +339,17 @@ def _best_depths(
     overlapped: bool,
     capped: list[bool],
     catch: list[float],
-    margin: float,
+    margins: list[float],
 ) -> tuple[list[int], float, float]:
     """The depths with the most expected tokens per second (costs measured), the expected tokens of
-    the round without the load-capped drafts, and those the chosen drafts add (undiscounted)."""
+    the round without the load-capped drafts, and those the chosen drafts add (undiscounted). A drafted
+    token counts at its expected number over its sequence's margin: the gains are taken in that order."""
     base = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
     depths = list(base)
-    gains = sorted(
+    gains = sorted(  # (counted, expected, sequence) per drafted token
         (
-            (a**j, i)
-            for i, (w, a, c) in enumerate(zip(wants, acceptances, capped, strict=True))
+            (a**j / g, a**j, i)
+            for i, (w, a, c, g) in enumerate(zip(wants, acceptances, capped, margins, strict=True))
             if c
             for j in range(1, min(w, cap) + 1)
         ),
@@ -353,16 +357,16 @@ def _best_depths(
     )
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, base, strict=True))
     best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch), 0.0
-    for m, (gain, i) in enumerate(gains, start=1):
+    for m, (counted, _, i) in enumerate(gains, start=1):
         depths[i] += 1
-        drafted += gain
-        rate = _rate(plain + drafted * costs.calibration / margin, depths, costs, overlapped, catch)
+        drafted += counted
+        rate = _rate(plain + drafted * costs.calibration, depths, costs, overlapped, catch)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = list(base)
-    for _, i in gains[:best_m]:
+    for _, _, i in gains[:best_m]:
         chosen[i] += 1
-    return chosen, plain, sum(g for g, _ in gains[:best_m])
+    return chosen, plain, sum(expected for _, expected, _ in gains[:best_m])
 
 
 def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
@@ -413,20 +417,23 @@ def plan_depths(
     # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
     # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
     wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
-    # (matched n-gram, tokens the lookup would draft), looked up only where a draft is wanted;
+    # (the match's run class, tokens the lookup would draft), looked up only where a draft is wanted;
     # (0, want) when the drafter is not lookup
     matches = [
         lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
     ]
     wants = [min(w, found) for w, (_, found) in zip(wants, matches, strict=True)]
     for s, (n, _) in zip(seqs, matches, strict=True):
-        s.stats.lookup_ngram = n
+        s.stats.lookup_run = n
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
-    # a constant, so a workload the draft guesses badly does not draft on every arrival.
+    # a constant, so a workload the draft guesses badly does not draft on every arrival. A lookup match
+    # leans on the lane's drafts from matches in its class, and before there are any on what the run
+    # itself says (`run_prior`): a class that never drafted under load would otherwise stay at the
+    # configured prior, too low to draft at, and never show what its drafts are worth.
     default = seqs[0].depth.config.prior_acceptance if seqs else 0.0
     acceptances = [
-        _match_acceptance(s, costs.acceptance_prior(default, s.stats.lookup_ngram))
-        if s.stats.lookup_ngram
+        _match_acceptance(s, costs.acceptance_prior(run_prior(s.stats.lookup_run), s.stats.lookup_run))
+        if s.stats.lookup_run
         else s.depth.acceptance_with(costs.acceptance_prior(default))
         for s in seqs
     ]
@@ -444,12 +451,17 @@ def plan_depths(
     if costs.rounds % costs.probe_every == 0:
         held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > costs.probe_every)
         probes = {i: float(catch_ups[i]) for i in held}
-    # Lookup's estimates are the least sure (the same sequence quotes, then matches by chance), so its
-    # drafted tokens must come at half the price of plain decoding's. At one stream a lookup token costs
-    # ~2 % of a step and the margin changes nothing; under load it keeps only the drafts that clearly
-    # pay (load sweep, c = 8-32 at the 1.1 margin: L up 8-15 % and the forward's cost up as much).
-    margin = costs.lookup_min_gain if lookup else None
-    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, margin)
+    # Lookup's estimates from short runs are the least sure (chance matches, right a quarter of the time
+    # on the load sweep's mix, at estimates that vary with luck), so their drafted tokens must come at
+    # half the price of plain decoding's: at one stream a lookup token costs ~2 % of a step and the
+    # margin changes nothing; under load it keeps only the drafts that clearly pay (load sweep, c = 8-32
+    # at the 1.1 margin, before runs were told apart: L up 8-15 % and the forward's cost up as much).
+    # Drafts from runs of QUOTE_RUN tokens or more are quotes (right 37 times of 37 at c = 16) and get
+    # the common margin, so a sequence quoting its prompt drafts under load.
+    margins = (
+        [costs.min_gain if s.stats.lookup_run >= QUOTE_RUN else costs.lookup_min_gain for s in seqs] if lookup else None
+    )
+    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, margins)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
     for s, d, c in zip(seqs, depths, catch_ups, strict=True):
@@ -459,10 +471,10 @@ def plan_depths(
 
 
 def _match_acceptance(seq: Sequence, prior: float) -> float:
-    """A lookup draft's acceptance from this sequence's drafts off matches as long as its current one,
-    leaning on the lane's (`prior`, 4 decisions' worth): a 1-gram match in a preamble that missed says
-    little about the 3-gram matches of the code the sequence then quotes."""
-    accepted, trials = seq.stats.lookup_tally.get(seq.stats.lookup_ngram, (0.0, 0.0))
+    """A lookup draft's acceptance from this sequence's drafts off matches in its current one's run
+    class, leaning on the lane's (`prior`, 4 decisions' worth): chance matches in a preamble that
+    missed say little about the long runs of the code the sequence then quotes."""
+    accepted, trials = seq.stats.lookup_tally.get(seq.stats.lookup_run, (0.0, 0.0))
     return min(max((accepted + 4.0 * prior) / (trials + 4.0), 1e-3), 0.999)
 
 

@@ -9,6 +9,8 @@ import torch
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
 from speculative.tree import TokenTree
 
+MATCH_REACH = 16  # how far back before a match its context is compared (the most a run counts)
+
 
 def lookup_match(
     tokens: torch.Tensor,  # [L] int64, the sequence so far
@@ -16,17 +18,36 @@ def lookup_match(
     min_ngram: int,
     length: int,
 ) -> tuple[int, list[int]]:
-    """(n, the tokens that followed the most recent earlier match of the longest matching suffix n-gram);
-    (0, []) without a match. n says how much to trust them: a 3-gram match is mostly text being quoted,
-    a 1-gram one mostly chance."""
+    """(run, the tokens that followed the earlier occurrence of the longest matching suffix n-gram);
+    (0, []) without a match. Of several occurrences, the one whose context agrees longest with the
+    sequence's end (then the most recent); `run` is how far they agree: the n-gram and the tokens before
+    it, at most MATCH_REACH. It says how much to trust the draft: text being quoted agrees for many
+    tokens, a chance match for the n-gram alone (load sweep mix at c = 16: drafts from runs of 6 or more
+    were right 37 times of 37, from runs of 1-4 40 times of 160, 3-gram matches included)."""
     total = tokens.numel()
     for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
         windows = tokens[: total - 1].unfold(0, n, 1)  # [L-n, n], each window ends before the last token
-        hits = torch.nonzero((windows == tokens[total - n :]).all(dim=1)).flatten()
+        hits = torch.nonzero((windows == tokens[total - n :]).all(dim=1)).flatten()  # [h] window starts
         if hits.numel():
-            start = int(hits[-1]) + n
-            return n, tokens[start : start + length].tolist()
+            back = torch.arange(1, MATCH_REACH - n + 1)  # [r] how far before the n-gram
+            earlier, later = hits[:, None] - back, total - n - back  # [h, r], [r] positions compared
+            same = (earlier >= 0) & (tokens[earlier.clamp_min(0)] == tokens[later.clamp_min(0)])  # [h, r]
+            runs = n + same.cumprod(dim=1).sum(dim=1)  # [h] tokens agreeing, the n-gram's included
+            best = int(torch.argmax(runs * total + hits))  # the longest run, then the most recent
+            start = int(hits[best]) + n
+            return int(runs[best]), tokens[start : start + length].tolist()
     return 0, []
+
+
+def run_class(run: int) -> int:
+    """The classes a lookup draft's acceptance is pooled by: runs of 1, 2-3, 4-7, 8-15, 16 (and 0)."""
+    return 1 << (run.bit_length() - 1) if run > 0 else 0
+
+
+def run_prior(run: int) -> float:
+    """The chance that the token after a run of `run` agreeing tokens agrees too, before any evidence:
+    Laplace's rule of succession, (run + 1) / (run + 2) (2/3 for a 1-token run, 17/18 for 16)."""
+    return (run + 1) / (run + 2)
 
 
 def lookup_continuation(tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int) -> list[int]:
@@ -54,9 +75,9 @@ class PromptLookupDrafter:
         return out
 
     def match(self, tokens: Sequence[int], length: int) -> tuple[int, int]:
-        """(matched n-gram length, tokens a proposal of at most `length` would draft); (0, 0): no match."""
-        n, found = lookup_match(torch.tensor(tokens, dtype=torch.long), self.max_ngram, self.min_ngram, length)
-        return n, len(found)
+        """(the match's `run_class`, tokens a proposal of at most `length` would draft); (0, 0): no match."""
+        run, found = lookup_match(torch.tensor(tokens, dtype=torch.long), self.max_ngram, self.min_ngram, length)
+        return run_class(run), len(found)
 
     def release(self, seq_ids: list[str]) -> None:
         return None

@@ -7,7 +7,7 @@ import torch
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth, best_depth, expected_tokens
 from speculative.drafters.base import DraftRequest
-from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation, lookup_match
+from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation, lookup_match, run_class
 from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 
@@ -56,12 +56,24 @@ def test_lookup_copies_continuation_of_latest_longest_match():
 def test_lookup_match_says_how_long_a_suffix_matched():
     seq = torch.tensor([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3])
     assert lookup_match(seq, max_ngram=3, min_ngram=1, length=3) == (2, [7, 8, 5])
-    assert lookup_match(seq, max_ngram=1, min_ngram=1, length=2) == (1, [7, 8])  # "3" last seen before 7
+    assert lookup_match(seq, max_ngram=1, min_ngram=1, length=2) == (2, [7, 8])  # "3" last seen before 7;
+    # its run goes on into "2 3", the n-gram a longer max_ngram would have matched
     assert lookup_match(torch.tensor([4, 5, 6]), 3, 1, 3) == (0, [])
     drafter = PromptLookupDrafter(max_ngram=3)
-    assert drafter.match((1, 2, 3, 4, 5, 1, 2, 3), 4) == (3, 4)  # "1 2 3" then 4 5 1 2 (the draft's length)
-    assert drafter.match((1, 2, 3, 4, 1, 2, 3), 8) == (3, 4)  # only 4 tokens follow the match
+    assert drafter.match((1, 2, 3, 4, 5, 1, 2, 3), 4) == (2, 4)  # "1 2 3" (run class 2) then 4 5 1 2
+    assert drafter.match((1, 2, 3, 4, 1, 2, 3), 8) == (2, 4)  # only 4 tokens follow the match
     assert drafter.match((1, 2, 3), 4) == (0, 0)
+
+
+def test_lookup_match_prefers_the_occurrence_quoted_longest() -> None:
+    """Of two earlier occurrences of the suffix, the draft follows the one whose context agrees longest
+    with the sequence's end, and says how long that run is: the prompt being quoted, not the latest
+    chance repeat of its last tokens."""
+    prompt = [7, 1, 2, 3, 4, 5, 0, 0, 9]
+    tokens = torch.tensor([*prompt, 3, 4, 5, 1, 1, *prompt[:6]])  # the output quotes 7 1 2 3 4 5
+    assert lookup_match(tokens, max_ngram=3, min_ngram=1, length=3) == (6, [0, 0, 9])
+    assert lookup_match(tokens[:-3], 3, 1, 2) == (3, [3, 4])  # "7 1 2": one occurrence, a run of 3
+    assert [run_class(r) for r in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == [0, 1, 2, 2, 4, 4, 8, 8, 16]
 
 
 def test_lookup_drafter_respects_budget_and_proposes_a_chain():

@@ -295,43 +295,43 @@ def test_no_probe_where_even_good_drafts_would_not_pay() -> None:
     due = {0: 0.0}  # sequence 0 is due a probe, nothing to catch up on (lookup)
     for slope, probes in [(0.017, False), (0.005, True)]:
         c = costs({32: 0.78, 64: 0.78 + 32 * slope}, {1: 0.0001, 32: 0.0001})
-        depths = choose_depths([4] * 32, [0.15] * 32, c, 4, probes=due, min_gain=c.lookup_min_gain)
+        depths = choose_depths([4] * 32, [0.15] * 32, c, 4, probes=due, min_gains=[c.lookup_min_gain] * 32)
         assert depths == [int(probes)] + [0] * 31, slope
 
 
 def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     """Lookup drafts cost nothing to find, so depths are weighed knowing them: no match, no draft (not
     even a probe); never deeper than the match has tokens; and under load a sequence quoting its prompt
-    (a 3-gram match, as quoted code gives) drafts while one with a chance 1-gram match does not, even
-    if its own 1-gram drafts missed before it started quoting."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    (a long run of agreeing tokens, as quoted code gives) drafts while one with a chance match does not,
+    even if its own chance drafts missed before it started quoting."""
     lookup = PromptLookupDrafter(max_ngram=3)
 
     def seq(name: str, tokens: list[int]) -> Sequence:
-        s = Sequence(name, tokens, greedy, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
+        s = Sequence(name, tokens, GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
         s.stats.steps, s.stats.drafted_at = 5, 4
         return s
 
-    quoting = seq("q", [5, 6, 7, 8, 9, 10, 11, 5, 6, 7])  # "5 6 7" seen before: 8 9 10 11 5 follow
+    # the prompt 5..16 quoted from its start: 10 tokens agree, then 15 16 40 41 follow
+    quoting = seq("q", [*range(5, 17), 40, 41, *range(5, 15)])
     chance = seq("c", [20, 21, 22, 23, 24, 25, 26, 27, 28, 21])  # only "21" seen before
     short = seq("s", [30, 7, 7, 7, 7])  # "7 7 7" seen one token back: one token (7) follows
     nothing = seq("n", [40, 41, 42, 43, 44, 45, 46, 47, 48, 49])
     assert plan_depths([quoting, chance, short, nothing], StepCosts(), 4, lookup=lookup) == [4, 4, 1, 0]
-    assert [s.stats.lookup_ngram for s in (quoting, chance, short, nothing)] == [3, 1, 3, 0]
+    assert [s.stats.lookup_run for s in (quoting, chance, short, nothing)] == [8, 1, 2, 0]  # run classes
 
     # A CPU under load (16 sequences, a drafted token costs a fifth of a decode step's share), where
-    # the lane's 3-gram drafts have landed and its 1-gram ones have not; this sequence's own 1-gram
+    # the lane's quoted drafts have landed and its chance ones have not; this sequence's own chance
     # drafts (its preamble) missed too.
     c = costs(CPU, {16: 0.0001})
     for _ in range(30):
         c.observe_verify([quoting], [TokenTree.chain(7, [8, 9])], 0.2, [2])
         c.observe_verify([chance], [TokenTree.chain(21, [22])], 0.2, [0])
-    quoting.stats.lookup_ngram = 1
+    quoting.stats.lookup_run = 1
     quoting.stats.lookup_tally.clear()
     for _ in range(3):
         c.observe_verify([quoting], [TokenTree.chain(7, [99])], 0.2, [0])
         quoting.depth.update(1, 0)  # as the decoder records it at commit
-    assert c.acceptance_prior(0.7, 3) > 0.9 and c.acceptance_prior(0.7, 1) < 0.2
+    assert c.acceptance_prior(0.7, 8) > 0.9 and c.acceptance_prior(0.7, 1) < 0.2
     c.verify.observe(16, CPU[16])  # a plain round of 16 just measured (what drafting is weighed against)
     batch = [quoting] + [seq(f"c{i}", chance.tokens) for i in range(15)]
     depths = plan_depths(batch, c, 4, lookup=lookup)
@@ -340,6 +340,26 @@ def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     # misses, and the chance matches draft on the lane's record (mostly the quoting drafts).
     blind = plan_depths(batch, c, 4)
     assert blind[0] == 0 and all(blind[1:])
+
+
+def test_quoted_lookup_drafts_pay_the_common_margin() -> None:
+    """Drafts from chance matches count at half (their estimates run high: lucky sequences look good);
+    drafts from a quote (a run of QUOTE_RUN or more) at the common margin. At c = 16 on a CPU, where a
+    drafted token costs about half a plain token's share of the step, a quote right 95 % of the time
+    drafts and a chance match with the same estimate does not."""
+    lookup = PromptLookupDrafter(max_ngram=3)
+    c = costs({16: 0.19, 32: 0.28}, {16: 0.0001})  # 11.9 ms per plain token, 5.6 ms per drafted one
+    quoted = [*range(100, 116), *range(100, 110)]  # a run of 10: class 8
+    chance = [*range(200, 230), 205]  # "205" seen once before: class 1
+    lookup_depth = AdaptiveConfig(draft_cost=0.0)
+    batch = [Sequence(f"s{i}", quoted if i < 2 else chance, GREEDY, AdaptiveDepth(lookup_depth)) for i in range(16)]
+    for s in batch:
+        s.stats.steps, s.stats.drafted_at = 5, 4
+    for run in (8, 1):  # the lane: 95 % of both kinds of draft landed
+        c.pooled_by_match[run] = (95.0, 100.0)
+    depths = plan_depths(batch, c, 4, lookup=lookup)
+    assert [s.stats.lookup_run for s in batch[:3]] == [8, 8, 1]
+    assert depths[:2] == [4, 4] and depths[2:] == [0] * 14
 
 
 def test_prompt_lookup_has_nothing_to_catch_up_on() -> None:
