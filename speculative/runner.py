@@ -117,8 +117,30 @@ class ModelRunner:
         Only the hidden states at `logits_at` go through the LM head (a prompt of 500 tokens and a
         vocabulary of 150k would otherwise be 300 MB of logits); None computes no logits. Logits come
         back as float32 on the CPU, or with `on_device` as the head computed them (model dtype, model
-        device), for callers that reduce them there first (greedy verification needs only argmax).
+        device), for callers that reduce them there first. `forward_packed` returns them unpadded.
         """
+        flat = self.forward_packed(tokens, parents, logits_at)  # [P, V]
+        if flat is None or logits_at is None:
+            return None
+        batch, m = len(self.rows), max(max((len(a) for a in logits_at), default=0), 1)
+        slots = [b * m + j for b, at in enumerate(logits_at) for j in range(len(at))]  # in the flat [B * m]
+        if slots == list(range(batch * m)):  # every row asks m: the packed order is the padded one
+            logits = flat.view(batch, m, -1)
+        else:  # pads left unwritten: a [B * m, V] fill costs as much as a tenth of a 32-row decode step
+            logits = flat.new_empty(batch * m, flat.shape[-1])
+            logits[torch.tensor(slots, dtype=torch.long, device=self.device)] = flat
+            logits = logits.view(batch, m, -1)
+        return logits if on_device else logits.float().cpu()
+
+    @torch.no_grad()
+    def forward_packed(
+        self,
+        tokens: list[list[int]],  # per row, the new tokens (rows may differ in length, may be empty)
+        parents: list[list[int]],  # per row: -1 = committed end, j >= 0 = speculative column j
+        logits_at: list[list[int]] | None = None,  # per row, indices into its new tokens
+    ) -> torch.Tensor | None:  # [P, V] logits at `logits_at`, row by row (model dtype, model device)
+        """`forward`, with the logits as the head computed them: row by row, no padding (P = asked in
+        all rows; row b's start at `packing.row_offsets` of the rows' asked counts)."""
         batch = len(self.rows)
         if len(tokens) != batch or len(parents) != batch:
             raise ValueError(f"expected {batch} rows of tokens and parents")
@@ -144,17 +166,10 @@ class ModelRunner:
         hidden = self._run(lengths, new_tokens[valid], positions[valid], mask)  # [T, H], T = sum(lengths)
         if logits_at is None:
             return None
-        m = max((len(a) for a in logits_at), default=0)
         offsets = row_offsets(lengths)
-        slots = [b * m + j for b, at in enumerate(logits_at) for j in range(len(at))]  # in the flat [B * m]
         asked = [min(a + offsets[b], len(hidden) - 1) for b, at in enumerate(logits_at) for a in at]  # packed
-        dev = self.device
-        picked = hidden[torch.tensor(asked, dtype=torch.long, device=dev)]  # [P, H], P = asked in all rows
-        flat = self._head(picked[None])[0]  # [P, V] (a batch dimension: DeepSpeed's sharded head wants one)
-        logits = flat.new_zeros(batch * max(m, 1), flat.shape[-1])
-        logits[torch.tensor(slots, dtype=torch.long, device=dev)] = flat
-        logits = logits.view(batch, max(m, 1), -1)  # [B, m, V]; pads zero (past a row's tokens: garbage)
-        return logits if on_device else logits.float().cpu()
+        picked = hidden[torch.tensor(asked, dtype=torch.long, device=self.device)]  # [P, H]
+        return self._head(picked[None])[0]  # [P, V] (a batch dimension: DeepSpeed's sharded head wants one)
 
     def _run(
         self,

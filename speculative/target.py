@@ -14,6 +14,7 @@ import torch
 
 from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
+from speculative.packing import row_offsets
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
 from speculative.verify import argmax_decides, verify_tree
@@ -59,26 +60,29 @@ class TargetVerifier:
             parents[row] = chain_parents(off) + [p + off if p >= 0 else off - 1 for p in tree.runner_parents()]
             logits_at[row] = list(range(off, off + tree.size + 1))
             offsets.append(off)
-        logits = self.runner.forward(tokens, parents, logits_at, on_device=True)  # [B, n+1, V], model's device
+        logits = self.runner.forward_packed(tokens, parents, logits_at)  # [P, V], model's device
         assert logits is not None
+        starts = row_offsets([len(a) for a in logits_at])  # each runner row's first logits row
         # Greedy rows without penalties need only each node's argmax: taken where the logits are, so
-        # only [B, n+1] ids cross to the CPU; the others get float32 distributions there.
+        # only [P] ids cross to the CPU; the others get float32 distributions there.
         argmax_only = [argmax_decides(item.params) for item in items]
-        best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [B, n+1]
+        best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [P]
+        sizes = [item.proposal.tree.size + 1 for item in items]  # each row's nodes, root included
+        spans = {row: slice(starts[row], starts[row] + n) for row, n in zip(rows, sizes, strict=True)}
         full = [row for row, a in zip(rows, argmax_only, strict=True) if not a]
-        host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU
+        host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU, in one transfer
         if full:
-            index = torch.tensor(full, dtype=torch.long, device=logits.device)
-            host = dict(zip(full, logits[index].float().cpu(), strict=True))
+            index = torch.cat([torch.arange(spans[r].start, spans[r].stop) for r in full]).to(logits.device)
+            moved = logits[index].float().cpu().split([spans[r].stop - spans[r].start for r in full])
+            host = dict(zip(full, moved, strict=True))
         verdicts: list[Verdict] = []
         keep: list[list[int]] = [[] for _ in self.runner.rows]
         for item, row, off, a in zip(items, rows, offsets, argmax_only, strict=True):
-            n = item.proposal.tree.size + 1
             if a:
                 assert best is not None
-                verdict = follow_choices(item.proposal.tree, best[row, :n].tolist())
+                verdict = follow_choices(item.proposal.tree, best[spans[row]].tolist())
             else:
-                verdict = verify_tree(item.proposal, host[row][:n], list(item.tokens), item.params)
+                verdict = verify_tree(item.proposal, host[row], list(item.tokens), item.params)
             verdicts.append(verdict)
             keep[row] = list(range(off)) + [off + node for node in verdict.path]
         self.runner.commit(keep)

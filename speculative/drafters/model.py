@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
+from speculative.packing import row_offsets
 from speculative.rng import Stream, sample, uniform
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import apply_repetition_penalty, context_seen, probs_from_logits
@@ -73,17 +74,16 @@ class DraftModelDrafter:
         logits_at: list[list[int]] = [[] for _ in self.runner.rows]
         for row, m in zip(rows, missing, strict=True):
             tokens[row], logits_at[row] = m, [len(m) - 1]
-        logits = self.runner.forward(tokens, [chain_parents(len(t)) for t in tokens], logits_at)
-        assert logits is not None
+        logits, starts = self._forward(tokens, [chain_parents(len(t)) for t in tokens], logits_at)
         frontier = [[0] for _ in active]
         for depth in range(1, max(r.budget for r in active) + 1):
             for i, (req, row) in enumerate(zip(active, rows, strict=True)):
                 for j, idx in enumerate(frontier[i]):
-                    self._expand(req, trees[i], idx, logits[row, j], depth)
+                    self._expand(req, trees[i], idx, logits[starts[row] + j], depth)
             frontier = [self._frontier(t, depth, r.budget) for t, r in zip(trees, active, strict=True)]
             if not any(frontier):
                 break
-            logits = self._forward_frontier(rows, trees, frontier)
+            logits, starts = self._forward_frontier(rows, trees, frontier)
         proposals = {r.seq_id: self._proposal(r, t) for r, t in zip(active, trees, strict=True)}
         self._keep_likely_path(rows, trees)
         return [proposals.get(r.seq_id) or empty_proposal(r) for r in requests]
@@ -136,7 +136,17 @@ class DraftModelDrafter:
         fresh.sort(key=lambda i: -nodes[i].score)
         return fresh[: min(self.width, room)]
 
-    def _forward_frontier(self, rows: list[int], trees: list[list[_Node]], frontier: list[list[int]]) -> torch.Tensor:
+    def _forward(
+        self, tokens: list[list[int]], parents: list[list[int]], logits_at: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:  # [P, V] float32 logits, row by row; each runner row's first
+        """One draft forward: the logits asked for, unpadded (`ModelRunner.forward_packed`), on the CPU."""
+        logits = self.runner.forward_packed(tokens, parents, logits_at)
+        assert logits is not None
+        return logits.float().cpu(), row_offsets([len(a) for a in logits_at])
+
+    def _forward_frontier(
+        self, rows: list[int], trees: list[list[_Node]], frontier: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
         tokens: list[list[int]] = [[] for _ in self.runner.rows]
         parents: list[list[int]] = [[] for _ in self.runner.rows]
         n_spec = self.runner.spec.tokens.shape[1]
@@ -146,9 +156,7 @@ class DraftModelDrafter:
                 node.column = n_spec + j
                 tokens[row].append(node.token)
                 parents[row].append(trees[i][node.parent].column)
-        logits = self.runner.forward(tokens, parents, [list(range(len(t))) for t in tokens])
-        assert logits is not None
-        return logits
+        return self._forward(tokens, parents, [list(range(len(t))) for t in tokens])
 
     def _proposal(self, req: DraftRequest, nodes: list[_Node]) -> Proposal:
         """The tree in node order (parents before children, children in draft order).

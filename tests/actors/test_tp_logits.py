@@ -26,15 +26,15 @@ PROMPTS = [[5, 17, 33, 9, 101, 7], [44, 2 + 1, 250]]
 TREE = TokenTree(7, (11, 12, 13, 14), (0, 0, 1, 1))  # root 7, two children, two grandchildren
 
 
-def runner_logits(model: Any) -> torch.Tensor:  # [2, n+1, V] at the tree of row 0 (row 1 decodes one token)
+def runner_logits(model: Any) -> torch.Tensor:  # [n+2, V] at the tree of row 0, then row 1's one decoded token
     runner = ModelRunner(model)
     runner.add_rows(["a", "b"])
     runner.extend([PROMPTS[0][:-1], PROMPTS[1][:-1]])
     tokens = [list(TREE.all_tokens), [PROMPTS[1][-1]]]
     parents = [TREE.runner_parents(), [-1]]
-    logits = runner.forward(tokens, parents, [list(range(TREE.size + 1)), [0]])
+    logits = runner.forward(tokens, parents, [list(range(TREE.size + 1)), [0]])  # [2, n+1, V], row 1 padded
     assert logits is not None
-    return logits
+    return torch.cat([logits[0], logits[1, :1]])  # the logits asked for (pads are garbage)
 
 
 def _shard_worker(rank: int, world: int, port: int, paths: list[str], out: dict[str, Any]) -> None:

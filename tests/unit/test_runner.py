@@ -157,3 +157,22 @@ def test_forward_computes_only_the_tokens_given(model):
         handle.remove()
     assert seen == [(1, 8)]
     assert logits.shape == (4, 1, layer.weight.shape[0])
+
+
+def test_packed_logits_are_the_asked_ones_row_by_row(model):
+    """`forward_packed` returns exactly the logits asked for, rows in order, no pads (the verifier reads
+    row b's at the offset of the counts before it); `forward` lays the same out as [B, m, V]."""
+    asks = [[0, 1, 2], [0], [1]]  # row a drafts two tokens, b decodes one, c asks only its second token
+    tokens = [[p[-1], 30, 31][: max(a) + 1] for p, a in zip(PROMPTS, asks, strict=True)]
+    parents = [chain_parents(len(t)) for t in tokens]
+    packed_runner, padded_runner = prefilled(model), prefilled(model)
+    flat = packed_runner.forward_packed(tokens, parents, asks)  # [5, V]
+    padded = padded_runner.forward(tokens, parents, asks)  # [3, 3, V]
+    assert flat is not None and padded is not None
+    assert flat.shape[0] == sum(len(a) for a in asks)
+    expected = torch.cat([padded[b, : len(a)] for b, a in enumerate(asks)])  # [5, V]
+    torch.testing.assert_close(flat.float(), expected)
+    # each is the model's own next-token logits after that row's tokens so far
+    after = [PROMPTS[0], [*PROMPTS[0], 30], [*PROMPTS[0], 30, 31], PROMPTS[1], [*PROMPTS[2], 30]]
+    for row, context in zip(flat, after, strict=True):
+        torch.testing.assert_close(row.float(), full_logits(model, context), atol=1e-4, rtol=1e-4)
