@@ -201,12 +201,12 @@ class StepCosts:
             if proposed:  # the tally of adaptive.AdaptiveDepth.update, over every sequence of the lane
                 pooled = self.pooled_accepted, self.pooled_trials
                 self.pooled_accepted, self.pooled_trials = tally(*pooled, self.pooled_memory, proposed, kept)
-                n = seq.stats.lookup_run  # and apart by how long a match the lookup draft came from
-                if n:
-                    pooled = self.pooled_by_match.get(n, (0.0, 0.0))
-                    self.pooled_by_match[n] = tally(*pooled, self.pooled_memory, proposed, kept)
-                    own = seq.stats.lookup_tally.get(n, (0.0, 0.0))
-                    seq.stats.lookup_tally[n] = tally(*own, seq.depth.config.memory, proposed, kept)
+                run = seq.stats.lookup_run  # and apart by the run class of the match the lookup draft came from
+                if run:
+                    pooled = self.pooled_by_match.get(run, (0.0, 0.0))
+                    self.pooled_by_match[run] = tally(*pooled, self.pooled_memory, proposed, kept)
+                    own = seq.stats.lookup_tally.get(run, (0.0, 0.0))
+                    seq.stats.lookup_tally[run] = tally(*own, seq.depth.config.memory, proposed, kept)
 
     def observe_round(self, predicted: Planned | None, tokens: int) -> None:
         """A planned round ended with `tokens` committed; `predicted`: its `last_predicted`.
@@ -451,7 +451,7 @@ def plan_depths(
     if costs.rounds % costs.probe_every == 0:
         held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > costs.probe_every)
         probes = {i: float(catch_ups[i]) for i in held}
-    # Lookup's estimates from short runs are the least sure (chance matches, right a quarter of the time
+    # Lookup's estimates from short runs are the least sure (chance matches, right under a third of the time
     # on the load sweep's mix, at estimates that vary with luck), so their drafted tokens must come at
     # half the price of plain decoding's: at one stream a lookup token costs ~2 % of a step and the
     # margin changes nothing; under load it keeps only the drafts that clearly pay (load sweep, c = 8-32

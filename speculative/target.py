@@ -67,13 +67,13 @@ class TargetVerifier:
         # only [P] ids cross to the CPU; the others get float32 distributions there.
         argmax_only = [argmax_decides(item.params) for item in items]
         best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [P]
-        sizes = [item.proposal.tree.size + 1 for item in items]  # each row's nodes, root included
-        spans = {row: slice(starts[row], starts[row] + n) for row, n in zip(rows, sizes, strict=True)}
+        sizes = {row: item.proposal.tree.size + 1 for item, row in zip(items, rows, strict=True)}  # root included
+        spans = {row: slice(starts[row], starts[row] + n) for row, n in sizes.items()}
         full = [row for row, a in zip(rows, argmax_only, strict=True) if not a]
         host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU, in one transfer
         if full:
-            index = torch.cat([torch.arange(spans[r].start, spans[r].stop) for r in full]).to(logits.device)
-            moved = logits[index].float().cpu().split([spans[r].stop - spans[r].start for r in full])
+            index = torch.cat([torch.arange(starts[r], starts[r] + sizes[r]) for r in full]).to(logits.device)
+            moved = logits[index].float().cpu().split([sizes[r] for r in full])
             host = dict(zip(full, moved, strict=True))
         verdicts: list[Verdict] = []
         keep: list[list[int]] = [[] for _ in self.runner.rows]

@@ -52,7 +52,7 @@ def run_prior(run: int) -> float:
 
 
 def lookup_continuation(tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int) -> list[int]:
-    """Tokens that followed the most recent earlier match of the longest matching suffix n-gram."""
+    """Tokens that followed the earlier match of the longest matching suffix n-gram (`lookup_match`)."""
     return lookup_match(tokens, max_ngram, min_ngram, length)[1]
 
 

@@ -138,7 +138,7 @@ class DraftModelDrafter:
 
     def _forward(
         self, tokens: list[list[int]], parents: list[list[int]], logits_at: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int]]:  # [P, V] float32 logits, row by row; each runner row's first
+    ) -> tuple[torch.Tensor, list[int]]:  # [P, V] float32 logits, row by row; each runner row's first of them
         """One draft forward: the logits asked for, unpadded (`ModelRunner.forward_packed`), on the CPU."""
         logits = self.runner.forward_packed(tokens, parents, logits_at)
         assert logits is not None
