@@ -17,8 +17,9 @@ answer quotes the prompt).
 Requests differ in output length (LENGTHS, mean --max-tokens, ignore_eos so each gets exactly its
 own): with equal lengths the requests of a level finish together, and plain decoding then prefills
 each new wave as one batch while speculation, which finishes them at different steps, cannot.
-Reported per mode and concurrency: output tokens/s while all c clients are busy (until the first
-one runs out of requests; the wall-time figure, tail included, is kept too), time to first token
+Reported per mode and concurrency: output tokens/s while all c clients are busy and past the cold
+start of c prompts arriving at once (`steady_window`; the wall-time figure, cold start and tail
+included, is kept too), time to first token
 and inter-token latency (gap between streamed chunks, per token) p50 / p99, tokens committed per
 target step (acceptance length), and the ratio to `off` at the same concurrency. At c = 1 it also
 reports the analytic bound L*T/(V+D) of DESIGN.md from the same run (T: off's verify step, V and
@@ -164,9 +165,11 @@ async def level(
     exits: list[float] = []
 
     async def client(session: aiohttp.ClientSession) -> None:
+        first = True
         while not queue.empty():
             prompt, n = queue.get_nowait()
-            results.append(await one_request(session, url, prompt, n, extra or {}))
+            results.append(await one_request(session, url, prompt, n, extra or {}) | {"first": first})
+            first = False
         exits.append(time.perf_counter())
 
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -174,12 +177,26 @@ async def level(
         start = time.perf_counter()
         await asyncio.gather(*[client(session) for _ in range(c)])
         wall = time.perf_counter() - start
-    # Steady state: until the first client runs out of requests, all c are busy; after it, fewer are.
-    # A request's tokens are spread evenly over its streamed chunks.
-    until = min(exits)
+    begin, until = steady_window(results, exits, start)
     for r in results:
-        r["steady_tokens"] = r["tokens"] * sum(t <= until for t in r.pop("arrivals")) / max(r["chunks"], 1)
-    return {"concurrency": c, "results": results, "window": until - start, "wall": wall}
+        arrivals = r.pop("arrivals")
+        r["steady_tokens"] = r["tokens"] * sum(begin < t <= until for t in arrivals) / max(r["chunks"], 1)
+        r["busy_tokens"] = r["tokens"] * sum(t <= until for t in arrivals) / max(r["chunks"], 1)  # burst in
+    return {"concurrency": c, "results": results, "window": until - begin, "busy": until - start, "wall": wall}
+
+
+def steady_window(results: list[dict[str, Any]], exits: list[float], start: float) -> tuple[float, float]:
+    """The span of a level in which its c clients are all busy and past their cold start: from the last
+    first token of the clients' first requests (until then the level is the burst of c prompts arriving
+    at once, prefilled before any token flows) to the first client running out of requests (after it,
+    fewer than c are busy). Counting the burst would weigh it by how soon the level ends: an arm that
+    finishes some requests sooner (speculation on quoting prompts) ends its window sooner, with the
+    same burst in it, and would read slower for being faster. Falls back to the start if no window is
+    left (a client with one request)."""
+    until = min(exits)
+    firsts = [r["arrivals"][0] for r in results if r.get("first") and r["arrivals"]]
+    begin = max(firsts, default=start)
+    return (begin, until) if begin < until else (start, until)
 
 
 def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -198,6 +215,8 @@ def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": sum(r["steady_tokens"] for r in results) / window,
         "pass_tokens_per_s": [sum(r["steady_tokens"] for r in p["results"]) / p["window"] for p in passes],
         "wall_tokens_per_s": tokens / wall,
+        "busy_tokens_per_s": sum(r["busy_tokens"] for r in results) / sum(p["busy"] for p in passes),
+        "pass_wall_tokens_per_s": [sum(r["tokens"] for r in p["results"]) / p["wall"] for p in passes],
         "steady_seconds": window,
         "ttft_p50": _pct(ttft, 50),
         "ttft_p99": _pct(ttft, 99),
@@ -261,6 +280,9 @@ def summarize(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         base = by.get((baseline(r["mode"], measured) or "", r["concurrency"]))
         r["vs_off"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        for key in ("wall", "busy"):  # the same ratio over the whole level, and with its cold start in
+            mine_s, theirs_s = r.get(f"{key}_tokens_per_s"), base.get(f"{key}_tokens_per_s") if base else None
+            r[f"{key}_vs_off"] = mine_s / theirs_s if mine_s and theirs_s else float("nan")
         mine, theirs = r.get("pass_tokens_per_s", []), base.get("pass_tokens_per_s", []) if base else []
         r["vs_off_by_pass"] = [a / b for a, b in zip(mine, theirs, strict=True)] if theirs else []
         r["vs_off_ci"] = ratio_interval(r["vs_off_by_pass"])
@@ -313,11 +335,13 @@ def plot(rows: list[dict[str, Any]], stem: Path) -> None:
 
 def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     summarize(rows)
-    columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "L", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
+    columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "wall vs off", "burst-in vs off", "L"]
+    columns += ["TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
     columns += ["ITL p99 ms"]
     columns += ["verify ms", "draft ms", "bound", "efficiency", "vs off by pass", "vs off 95 % CI"]
     table = [
         [r["mode"], r["concurrency"], r["tokens_per_s"], r["vs_off"], r.get("wall_tokens_per_s", float("nan"))]
+        + [r.get("wall_vs_off", float("nan")), r.get("busy_vs_off", float("nan"))]
         + [r["acceptance_length"], r["ttft_p50"]]
         + [r["ttft_p99"], 1e3 * r["itl_p50"], 1e3 * r["itl_p99"], 1e3 * r["verify_s"], 1e3 * r["draft_s"]]
         + [r["bound"], r["efficiency"], " ".join(f"{x:.2f}" for x in r.get("vs_off_by_pass", []))]
@@ -331,8 +355,11 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level and pass, "
         f"{args.repeats} passes (arms in turn, order reversed each pass, requests pooled); "
         "prompt mix: " + ", ".join(PROMPTS) + ".\n\n"
-        "tok/s: output tokens per second while all c clients are busy (until the first runs out of "
-        "requests); wall tok/s: over the whole level, its tail included. "
+        "tok/s: output tokens per second while all c clients are busy and past their cold start (from the "
+        "last first token of the clients' first requests until the first client runs out of requests: "
+        "`steady_window`); wall tok/s: over the whole level, cold start and tail included; burst-in vs off: "
+        "the tok/s ratio with the window starting at the level's start (earlier sweeps' tok/s), which "
+        "weighs the cold-start burst by how soon the window ends. "
         "off@mode: that mode's application with speculation off per request (`max_draft_tokens: 0`). "
         "vs off: tok/s over the same application's off at the same concurrency. L: output tokens per target "
         "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
@@ -361,7 +388,9 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-depth", type=int, default=4)
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument(  # a client's first request is its cold start, outside the steady window
+        "--requests-per-client", type=int, default=3, help="requests each client sends per level and pass"
+    )
     parser.add_argument("--min-requests", type=int, default=5, help="at least one of each prompt kind")
     parser.add_argument("--repeats", type=int, default=2, help="passes per level, mode order reversed each")
     parser.add_argument("--port", type=int, default=8000)

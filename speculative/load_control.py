@@ -253,8 +253,13 @@ class StepCosts:
             self.draft_calibration = memory * self.draft_calibration + (1 - memory) * ratio
         caught_up = sum(s.stats.draft_catch_up for s in drafting)
         if caught_up >= CATCH_UP_MEASURED:
-            base = self.draft_step(len(drafting))
-            if base is not None and seconds > base * max(depths):
+            # Before any round is measured (a lane's first draft call catches up on every prompt), the
+            # whole call is charged to catching up: an upper bound, decayed toward the truth by later
+            # calls. Left unpriced, catching up would cost nothing in every plan until a measured
+            # round came first, and a probe round for 16 held sequences (1,100 tokens to catch up,
+            # 1.5 s) was planned at 83 ms.
+            base = self.draft_step(len(drafting)) or 0.0
+            if seconds > base * max(depths):
                 per_token = (seconds - base * max(depths)) / caught_up
                 old = self.draft_token
                 self.draft_token = per_token if old is None else self.memory * old + (1 - self.memory) * per_token

@@ -129,10 +129,12 @@ def test_catching_up_is_priced_per_token_not_as_a_round() -> None:
     assert plan_depths([seq], c, 2) == [2]  # unmeasured: drafts, and records its catch-up (the prompt)
     assert seq.stats.draft_catch_up == 100
     c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 2.0)
-    assert not c.draft_step.points and c.draft_token is None  # no round cost to subtract yet: nothing
+    assert not c.draft_step.points  # no round cost to subtract yet: the whole call prices catching up
+    assert c.draft_token == pytest.approx(0.02)  # 2.0 / 100, an upper bound (never free: see below)
     seq.stats.draft_catch_up = 0  # a round that caught up on nothing: the round's cost
     c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 0.1)
     assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.05)]  # per unit of depth
+    c.draft_token = None  # as a lane whose first catch-up came after a measured round
     seq.stats.draft_catch_up = 100
     c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 1.1)
     assert c.draft_token == pytest.approx(0.01)  # (1.1 - 2 * 0.05) / 100
@@ -376,3 +378,22 @@ def test_prompt_lookup_has_nothing_to_catch_up_on() -> None:
     c.observe_draft([quoting], [TokenTree.chain(7, [8, 9, 10, 11])], 0.0004)
     assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.0001)]  # the round, per depth
     assert c.draft_token is None
+
+
+def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
+    """A lane's first draft call catches up on every prompt, before any round is measured. Its seconds
+    price catching up (the whole call: an upper bound), so 16 sequences that would each catch up on a
+    70-token prompt to draft are seen to cost that; left unpriced, as before, catching up cost nothing
+    in every plan until a call came after a measured round (traced at c = 16: a round of 16 such
+    drafts planned at 83 ms took 1.5 s)."""
+    seqs = [Sequence(f"s{i}", list(range(70)), GREEDY, AdaptiveDepth(AdaptiveConfig())) for i in range(16)]
+    for s in seqs:
+        s.stats.steps, s.stats.draft_catch_up = 1, 70
+    c = costs({16: 0.27, 32: 0.39, 80: 0.9, 1120: 5.6}, {})
+    c.observe_draft(seqs, [TokenTree.chain(69, [1, 2])] * 16, 1.3)  # 1,120 prompt tokens caught up
+    assert c.draft_token == pytest.approx(1.3 / 1120)
+    c.draft_step.observe(16, 0.08)  # later rounds, nothing to catch up on: 80 ms per unit of depth
+    charged = [70 / 10] * 16  # each prompt's catch-up spread over the 10 rounds its sequence has left
+    assert choose_depths([2] * 16, [0.9] * 16, c, 4, catch_ups=charged) == [0] * 16
+    c.draft_token = None  # unpriced: one token each looks worth drafting
+    assert choose_depths([2] * 16, [0.9] * 16, c, 4, catch_ups=charged) == [1] * 16
