@@ -178,10 +178,10 @@ async def level(
         await asyncio.gather(*[client(session) for _ in range(c)])
         wall = time.perf_counter() - start
     begin, until = steady_window(results, exits, start)
-    for r in results:
-        arrivals = r.pop("arrivals")
-        r["steady_tokens"] = r["tokens"] * sum(begin < t <= until for t in arrivals) / max(r["chunks"], 1)
-        r["busy_tokens"] = r["tokens"] * sum(t <= until for t in arrivals) / max(r["chunks"], 1)  # burst in
+    for r in results:  # a request's tokens spread evenly over its streamed chunks
+        per_chunk, arrivals = r["tokens"] / max(r["chunks"], 1), r.pop("arrivals")
+        r["steady_tokens"] = per_chunk * sum(begin < t <= until for t in arrivals)
+        r["busy_tokens"] = per_chunk * sum(t <= until for t in arrivals)  # the burst in (earlier sweeps)
     return {"concurrency": c, "results": results, "window": until - begin, "busy": until - start, "wall": wall}
 
 
@@ -216,7 +216,6 @@ def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
         "pass_tokens_per_s": [sum(r["steady_tokens"] for r in p["results"]) / p["window"] for p in passes],
         "wall_tokens_per_s": tokens / wall,
         "busy_tokens_per_s": sum(r["busy_tokens"] for r in results) / sum(p["busy"] for p in passes),
-        "pass_wall_tokens_per_s": [sum(r["tokens"] for r in p["results"]) / p["wall"] for p in passes],
         "steady_seconds": window,
         "ttft_p50": _pct(ttft, 50),
         "ttft_p99": _pct(ttft, 99),

@@ -38,7 +38,7 @@ def test_steady_window_starts_after_the_cold_start_burst() -> None:
     assert steady_window(results, exits=[12.0, 14.0], start=0.0) == (5.0, 12.0)
 
 
-def test_steady_window_is_the_same_span_however_soon_a_client_finishes() -> None:
+def test_steady_window_leaves_the_burst_out_however_soon_a_client_finishes() -> None:
     # What the old window (from the start) got wrong: an arm whose quick client runs out sooner kept the
     # whole burst in a shorter window. The steady window drops the burst in both arms alike.
     burst = [_request(True, [4.0]), _request(True, [4.0])]
