@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -144,10 +145,27 @@ def deployed(config: AppConfig) -> Iterator[DeploymentHandle]:
         serve.delete(APP)
 
 
+# Ports for servers a test starts after Ray: above Ray's worker ports (10002-19999) and below the
+# kernel's ephemeral range (32768+), which outgoing connections and port-0 binds draw from. A port the
+# kernel handed out was taken by one of Ray's processes before Serve's gRPC proxy bound it (CI:
+# "Failed to bind to address [::]:44217").
+_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()  # two calls before either server binds must not get the same port
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now (on every interface) that Ray and the kernel will not hand to anyone else."""
+    for port in random.sample(_PORTS, 256):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def replicas(deployment: str, states: tuple[str, ...] = ("RUNNING", "STARTING")) -> int:
