@@ -150,8 +150,13 @@ class RouterConfig(BaseModel):
     )
     lookup_ngrams: tuple[int, int] | None = Field(
         default=None,
-        description="(max, min) suffix n-gram of a prompt-lookup draft pool (set from the drafter config): depths "
-        "then follow each sequence's current match, which the router finds itself (it costs nothing).",
+        description="(max, min) suffix n-gram of prompt lookup (set from the drafter config): the router drafts "
+        "by lookup itself (it costs nothing), depths following each sequence's current match.",
+    )
+    lookup_quotes_only: bool = Field(
+        default=False,
+        description="With lookup_ngrams beside a draft model: the router drafts by lookup only sequences quoting "
+        "their context (greedy or deterministic drafts), free; the draft pool drafts the rest.",
     )
     draft_timeout_s: float = Field(
         default=5.0,

@@ -34,7 +34,7 @@ from actors.pools import Pool, replica_lost
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
-from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
 from speculative.load_control import Planned, StepCosts, plan_depths
 from speculative.tree import TokenTree
 
@@ -106,7 +106,9 @@ class LaneContext:
 class Lane:
     def __init__(self, key: str, ctx: LaneContext, on_done: Callable[[Lane], None]) -> None:
         self.key, self.ctx, self._on_done = key, ctx, on_done
-        n = 2 if ctx.config.pipelining and ctx.draft is not None else 1  # nothing to overlap without a draft
+        # Nothing to overlap without a draft pool to call: none, or prompt lookup alone (drafted here).
+        pool_drafts = ctx.draft is not None and (ctx.config.lookup_ngrams is None or ctx.config.lookup_quotes_only)
+        n = 2 if ctx.config.pipelining and pool_drafts else 1
         self.groups: list[dict[str, Live]] = [{} for _ in range(n)]
         self.drafted = [False] * n  # group holds proposals not yet verified
         self.release_draft: list[list[str]] = [[] for _ in range(n)]
@@ -115,8 +117,9 @@ class Lane:
         self.release_target: list[list[str]] = [[] for _ in range(n)]
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         self._draft_off_until = 0.0
-        ngrams = ctx.config.lookup_ngrams  # prompt lookup: depths weighed knowing each sequence's match
+        ngrams = ctx.config.lookup_ngrams  # prompt lookup, drafted here: no call, and depths know each match
         self.lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
+        self.quotes_only = ctx.config.lookup_quotes_only  # lookup beside a draft model: quotes only
         self.task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -186,38 +189,40 @@ class Lane:
         config = self.ctx.config
         costs = self.ctx.costs if config.limits.load_adaptive else None
         overlapped = len(self.groups) > 1 and all(self.groups)  # the other group's verify runs beside this draft
+        seqs = [x.seq for x in lives]
         depths = plan_depths(
-            [x.seq for x in lives], costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled, self.lookup
+            seqs, costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled, self.lookup, self.quotes_only
         )
         self.predicted[g] = costs.last_predicted if costs is not None else None
-        requests = [
-            DraftRequest(x.seq.seq_id, tuple(x.seq.tokens), d, x.seq.params) for x, d in zip(lives, depths, strict=True)
-        ]
+        requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
         self.ctx.metrics.depth.set(sum(r.budget for r in requests) / max(len(requests), 1))
-        proposals: list[WireProposal] | None = None
+        # Prompt lookup drafts here, in the router (~0.1 ms a sequence): a call to the draft pool would
+        # cost more than the lookup. `plan_depths` set lookup_run for the sequences lookup drafts.
+        found, modelled = split_lookup(self.lookup, [s.stats.lookup_run for s in seqs], requests)
+        proposals = [WireProposal.encode(p) if p is not None else None for p in found]
         half = _Half(seqs=len(lives))
-        pool = self.ctx.draft
-        if pool is not None and time.time() >= self._draft_off_until and any(r.budget for r in requests):
+        pool, called_pool = self.ctx.draft, False
+        if pool is not None and time.time() >= self._draft_off_until and any(r.budget for r in modelled):
             try:
                 called = time.perf_counter()
                 drafted: Drafted = await asyncio.wait_for(
-                    pool.call("propose", self.key, self.cache_key(g), requests, self.release_draft[g]),
+                    pool.call("propose", self.key, self.cache_key(g), modelled, self.release_draft[g]),
                     self.ctx.config.draft_timeout_s,
                 )
                 self.release_draft[g] = []
-                proposals, half.work, half.replica = drafted.proposals, drafted.work, drafted.replica
+                half.work, half.replica, called_pool = drafted.work, drafted.replica, True
                 # Priced as the round waits for it, the call included: only drafting rounds pay for the
-                # hop to the draft pool (prompt lookup's work is ~0.1 ms, its call several ms).
+                # hop to the draft pool.
                 waited = time.perf_counter() - called
-                trees = [p.tree for p in proposals]
-                self.ctx.costs.observe_draft([x.seq for x in lives], trees, waited, self.predicted[g])
+                self.ctx.costs.observe_draft(seqs, [p.tree for p in drafted.proposals], waited, self.predicted[g])
+                proposals = [p or d for p, d in zip(proposals, drafted.proposals, strict=True)]
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
                 self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s
-        if proposals is None:  # nothing drafted after all: not a round to calibrate on
+        if any(r.budget for r in modelled) and not called_pool:  # not drafted as planned: no calibrating on it
             self.predicted[g] = None
-        for i, live in enumerate(lives):
-            live.proposal = proposals[i] if proposals is not None else None
+        for live, proposal in zip(lives, proposals, strict=True):
+            live.proposal = proposal
         self.drafted[g] = True
         return half
 

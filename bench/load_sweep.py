@@ -3,7 +3,8 @@
 One run, same machine, same models. Each mode is its own application on embedded Ray behind
 Serve's HTTP proxy (all deployed first, idle while another is measured):
 - draft:  the draft model proposes chains; depth per sequence by acceptance, per batch by load;
-- lookup: prompt lookup (n-gram matches in the context), no draft model;
+          a sequence quoting its prompt drafts by prompt lookup instead (`lookup_quotes`, the default);
+- lookup: prompt lookup (n-gram matches in the context), no draft model, drafted in the router;
 - off:    (only if asked for) an application with no drafter: plain continuous batching.
 Speculation off is measured on each speculating application itself, as `off@draft` / `off@lookup`:
 the same requests with `max_draft_tokens: 0` (plain decoding, same tokens). Each mode is compared
@@ -350,7 +351,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     intro = (
         f"Target {args.target}, draft {args.draft}, {args.dtype}, {args.threads} torch threads per worker; "
         f"output tokens per request {', '.join(f'{f:g}' for f in LENGTHS)} x {args.max_tokens} (ignore_eos), "
-        "greedy, streamed over HTTP; "
+        "greedy, streamed over HTTP; draft: quotes drafted by prompt lookup (`lookup_quotes`); "
         f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level and pass, "
         f"{args.repeats} passes (arms in turn, order reversed each pass, requests pooled); "
         "prompt mix: " + ", ".join(PROMPTS) + ".\n\n"

@@ -228,6 +228,12 @@ class AppConfig(BaseModel):
 
     def router(self) -> RouterConfig:
         drafter = self.drafter
-        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" else None
-        update = {"limits": self.speculation, "drafts_sampled": drafter.drafts_sampled, "lookup_ngrams": lookup}
+        quotes = drafter.quotes_by_lookup
+        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or quotes else None
+        update = {
+            "limits": self.speculation,
+            "drafts_sampled": drafter.drafts_sampled,
+            "lookup_ngrams": lookup,
+            "lookup_quotes_only": quotes,
+        }
         return self.router_pool.router.model_copy(update=update)

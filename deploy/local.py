@@ -10,6 +10,7 @@ from deploy.models import resolve
 from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.load_control import StepCosts
 from speculative.loading import LoadedModel, load_model
 from speculative.runner import ModelRunner
@@ -45,6 +46,7 @@ class LocalModels:
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
             costs=costs,
             drafts_sampled=drafter.drafts_sampled,
+            quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.quotes_by_lookup else None,
         )
 
     def chat_prompt(self, user: str) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
 from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
-from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
 from speculative.load_control import Planned, StepCosts, plan_depths
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
@@ -105,10 +105,12 @@ class SpeculativeDecoder:
         decode: Callable[[list[int]], str] | None = None,
         costs: StepCosts | None = None,
         drafts_sampled: bool = True,
+        quotes: PromptLookupDrafter | None = None,
     ) -> None:
         """`costs`: measure verify and draft costs and cap depths by them (load_control.py); None: depth
         by acceptance alone. `drafts_sampled`: the drafter samples drafts under sampling, so sampled
-        requests keep their acceptance-only depth (reproducible tokens)."""
+        requests keep their acceptance-only depth (reproducible tokens). `quotes`: beside a draft model,
+        sequences quoting their context draft by this lookup instead (`DrafterConfig.lookup_quotes`)."""
         self.target = target
         self.drafter = drafter
         self.adaptive = adaptive if drafter is not None else adaptive.model_copy(update={"max_depth": 0})
@@ -121,6 +123,7 @@ class SpeculativeDecoder:
         self.times = StepTimes()
         self.costs = costs
         self.drafts_sampled = drafts_sampled
+        self.quotes = quotes
 
     def add(self, prompt: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         if not prompt:
@@ -172,12 +175,14 @@ class SpeculativeDecoder:
         return outputs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else None
-        depths = plan_depths(seqs, self.costs, self.adaptive.max_depth, False, self.drafts_sampled, lookup)
+        lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else self.quotes
+        max_depth, sampled = self.adaptive.max_depth, self.drafts_sampled
+        depths = plan_depths(seqs, self.costs, max_depth, False, sampled, lookup, self.quotes is not None)
         requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
         if self.drafter is None:
             return [empty_proposal(r) for r in requests]
-        return self.drafter.propose(requests)
+        found, modelled = split_lookup(lookup, [s.stats.lookup_run for s in seqs], requests)
+        return [p or q for p, q in zip(found, self.drafter.propose(modelled), strict=True)]
 
     def _observe(
         self,

@@ -22,7 +22,9 @@ caught-up token. Drafted tokens are counted at 1/`min_gain` (1.1; 2 for prompt l
 from chance matches, whose estimates are the least sure, unlike quotes': `QUOTE_RUN`) of their
 expected number: what drafting adds must come at least 10 % cheaper per token than plain decoding's
 tokens, a margin on the drafted part alone. (A margin on the whole round's rate would ask a sequence
-quoting its prompt among 16 to speed up all 16 by 10 %.)
+quoting its prompt among 16 to speed up all 16 by 10 %.) Prompt lookup's drafts (the drafter, or
+beside a draft model the quotes: `plan_depths`) are found in the router and cost nothing to draft:
+D and C count the draft model's sequences alone, and a lookup draft costs only its verify tokens.
 
 Going one level deeper in sequence i gains a_i^(d_i+1) tokens, so the best allocation of m draft
 tokens takes the m largest gains and only m is searched. All zero is plain decoding (no draft
@@ -198,15 +200,17 @@ class StepCosts:
         self.verify.observe(sum(lengths), seconds)
         for seq, tree, kept in zip(seqs, trees, accepted, strict=False):
             proposed = max(tree.depths)
-            if proposed:  # the tally of adaptive.AdaptiveDepth.update, over every sequence of the lane
+            if not proposed:
+                continue
+            run = seq.stats.lookup_run  # lookup drafts apart, by the run class of the match they came from
+            if not run:  # the tally of adaptive.AdaptiveDepth.update, over the lane's model drafts
                 pooled = self.pooled_accepted, self.pooled_trials
                 self.pooled_accepted, self.pooled_trials = tally(*pooled, self.pooled_memory, proposed, kept)
-                run = seq.stats.lookup_run  # and apart by the run class of the match the lookup draft came from
-                if run:
-                    pooled = self.pooled_by_match.get(run, (0.0, 0.0))
-                    self.pooled_by_match[run] = tally(*pooled, self.pooled_memory, proposed, kept)
-                    own = seq.stats.lookup_tally.get(run, (0.0, 0.0))
-                    seq.stats.lookup_tally[run] = tally(*own, seq.depth.config.memory, proposed, kept)
+            else:
+                pooled = self.pooled_by_match.get(run, (0.0, 0.0))
+                self.pooled_by_match[run] = tally(*pooled, self.pooled_memory, proposed, kept)
+                own = seq.stats.lookup_tally.get(run, (0.0, 0.0))
+                seq.stats.lookup_tally[run] = tally(*own, seq.depth.config.memory, proposed, kept)
 
     def observe_round(self, predicted: Planned | None, tokens: int) -> None:
         """A planned round ended with `tokens` committed; `predicted`: its `last_predicted`.
@@ -234,7 +238,8 @@ class StepCosts:
     def observe_draft(
         self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, planned: Planned | None = None
     ) -> None:
-        """A draft call that proposed `trees` for `seqs` took `seconds`; `planned`: the round's plan.
+        """A draft call that proposed `trees` for `seqs` took `seconds`; `planned`: the round's plan. Only
+        the draft model's drafts are measured: prompt lookup's cost nothing (`plan_depths` prices them so).
 
         A call in which the draft model caught up on many tokens (a new sequence's prompt, or one that
         has not drafted for a while: `catch_up`) measures the cost of catching up per token, beyond
@@ -243,7 +248,7 @@ class StepCosts:
         the rounds a sequence has left, which holds while it keeps drafting; one that drafts now and
         then pays it again each time it resumes, and those calls take longer than planned.
         """
-        depths = [max(t.depths) for t in trees]
+        depths = [0 if s.stats.lookup_run else max(t.depths) for s, t in zip(seqs, trees, strict=True)]  # lookup: free
         drafting = [s for s, d in zip(seqs, depths, strict=True) if d]
         if not drafting:
             return
@@ -287,6 +292,7 @@ def choose_depths(
     catch_ups: list[float] | None = None,  # [n] catch-up tokens charged to this round if it drafts
     probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
     min_gains: list[float] | None = None,  # [n] the margin on each sequence's drafted tokens; None: min_gain
+    free: list[bool] | None = None,  # [n] True: drafts by prompt lookup (no draft call to pay for)
 ) -> list[int]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second.
 
@@ -309,29 +315,31 @@ def choose_depths(
     depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
     if not any(c and min(w, cap) for w, c in zip(wants, capped, strict=True)):
         return depths
-    if not costs.verify.points or costs.draft_step(n) is None:  # unmeasured: draft as deep as allowed once
-        return [min(w, cap) for w in wants]  # (no prediction: the round does not calibrate)
+    free = free or [False] * n
+    modelled = any(min(w, cap) and not f for w, f in zip(wants, free, strict=True))
+    if not costs.verify.points or (modelled and costs.draft_step(n) is None):  # unmeasured: draft as deep as
+        return [min(w, cap) for w in wants]  # allowed once (no prediction: the round does not calibrate)
     age = costs.verify.age(n)
     if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
         return depths  # a plain round measures it (the alternative every choice is weighed against)
     catch = catch_ups or [0] * n
     margins = min_gains or [costs.min_gain] * n
-    chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margins)
+    chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margins, free)
     if drafted:  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
-        costs.last_predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch))
+        costs.last_predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch, free))
     probes = probes or {}
     due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
         hope = set(due)
         hoped = [max(a, costs.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
-        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins)
+        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins, free)
         due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
     if due:
         full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
-        limit = _seconds(chosen, costs, overlapped, full) * (1 + costs.probe_cost)
+        limit = _seconds(chosen, costs, overlapped, full, free) * (1 + costs.probe_cost)
         for i in sorted(due, key=lambda i: -acceptances[i]):
             chosen[i] = 1
-            if _seconds(chosen, costs, overlapped, full) > limit:
+            if _seconds(chosen, costs, overlapped, full, free) > limit:
                 chosen[i] = 0
     return chosen
 
@@ -345,6 +353,7 @@ def _best_depths(
     capped: list[bool],
     catch: list[float],
     margins: list[float],
+    free: list[bool],
 ) -> tuple[list[int], float, float]:
     """The depths with the most expected tokens per second (costs measured), the expected tokens of
     the round without the load-capped drafts, and those the chosen drafts add (undiscounted). A drafted
@@ -361,11 +370,11 @@ def _best_depths(
         key=lambda g: -g[0],
     )
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, base, strict=True))
-    best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch), 0.0
+    best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch, free), 0.0
     for m, (counted, _, i) in enumerate(gains, start=1):
         depths[i] += 1
         drafted += counted
-        rate = _rate(plain + drafted * costs.calibration, depths, costs, overlapped, catch)
+        rate = _rate(plain + drafted * costs.calibration, depths, costs, overlapped, catch, free)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = list(base)
@@ -374,26 +383,31 @@ def _best_depths(
     return chosen, plain, sum(expected for _, expected, _ in gains[:best_m])
 
 
-def _rate(tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
+def _rate(
+    tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float], free: list[bool]
+) -> float:
     """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
-    return tokens / max(_seconds(depths, costs, overlapped, catch), 1e-9)
+    return tokens / max(_seconds(depths, costs, overlapped, catch, free), 1e-9)
 
 
-def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float]) -> float:
+def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float], free: list[bool]) -> float:
     """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence."""
-    verify = costs.verify(sum(1 + round(costs.nodes_per_depth * d) for d in depths)) or 0.0
-    draft = _draft_seconds(depths, costs, catch) * costs.draft_calibration
+    nodes = (d if f else round(costs.nodes_per_depth * d) for d, f in zip(depths, free, strict=True))  # lookup: chains
+    verify = costs.verify(sum(1 + x for x in nodes)) or 0.0
+    draft = _draft_seconds(depths, costs, catch, free) * costs.draft_calibration
     return max(verify, draft) if overlapped else verify + draft
 
 
-def _draft_seconds(depths: list[int], costs: StepCosts, catch: list[float]) -> float:
-    """The draft call's seconds by the curves (uncalibrated): a round over the drafting sequences only."""
-    drafting = sum(1 for d in depths if d)
+def _draft_seconds(depths: list[int], costs: StepCosts, catch: list[float], free: list[bool]) -> float:
+    """The draft call's seconds by the curves (uncalibrated): a round over the sequences the draft model
+    drafts (not those drafting by lookup: `free`)."""
+    modelled = [d if not f else 0 for d, f in zip(depths, free, strict=True)]
+    drafting = sum(1 for d in modelled if d)
     if not drafting:
         return 0.0
-    draft = (costs.draft_step(drafting) or 0.0) * max(depths)
+    draft = (costs.draft_step(drafting) or 0.0) * max(modelled)
     if costs.draft_token:
-        draft += costs.draft_token * sum(c for c, d in zip(catch, depths, strict=True) if d)
+        draft += costs.draft_token * sum(c for c, d in zip(catch, modelled, strict=True) if d)
     return draft
 
 
@@ -404,6 +418,7 @@ def plan_depths(
     overlapped: bool = False,
     drafts_sampled: bool = True,
     lookup: PromptLookupDrafter | None = None,
+    quotes_only: bool = False,
 ) -> list[int]:
     """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
     `costs` within the load cap too, except for sequences whose tokens depend on depth (sampled drafts).
@@ -411,25 +426,40 @@ def plan_depths(
     With `lookup` (the drafter is prompt lookup, whose drafts cost nothing to find), depths are weighed
     knowing each sequence's match: none wants no more than its match would draft (no match: nothing,
     not even a probe), and its acceptance leans on that of the lane's drafts from matches as long.
+    With `quotes_only` too, lookup sits beside a draft model: a sequence quoting its context (a match
+    whose run is QUOTE_RUN or more) drafts by lookup, free and as deep as the quote goes, where its
+    tokens do not depend on the drafter (greedy, or deterministic drafts: `capped`); the draft model
+    drafts the rest. Under load, where a draft model no longer pays (its forwards and catching up cost
+    about what its accepted tokens save), quotes still do. `s.stats.lookup_run` says which drafter a
+    sequence's depth is for: a match's run class for lookup, 0 for the draft model.
     """
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
     # A request may cap its own depth (`max_draft_tokens`; 0: no speculation for it).
-    wants = [max(min(s.depth.next_depth(), s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
-    if costs is None:
-        return [min(w, cap) for w in wants]
+    room = [max(min(s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
+    wants = [min(s.depth.next_depth(), r) for s, r in zip(seqs, room, strict=True)]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
     # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
     # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
     # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
-    wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
+    if costs is not None:
+        wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
     # (the match's run class, tokens the lookup would draft), looked up only where a draft is wanted;
-    # (0, want) when the drafter is not lookup
-    matches = [
-        lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
-    ]
-    wants = [min(w, found) for w, (_, found) in zip(wants, matches, strict=True)]
+    # (0, want) when the drafter is not lookup. Beside a draft model, only capped sequences past their
+    # prefill look for a quote, as deep as their room allows (a quote costs no draft forward).
+    if quotes_only and lookup:
+        looked = [min(r, cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
+        found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, looked, strict=True)]
+        matches = [(n, f) if n >= QUOTE_RUN and f else (0, w) for (n, f), w in zip(found, wants, strict=True)]
+    else:
+        matches = [
+            lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
+        ]
+    wants = [found if n else min(w, found) for w, (n, found) in zip(wants, matches, strict=True)]
     for s, (n, _) in zip(seqs, matches, strict=True):
         s.stats.lookup_run = n
+    if costs is None:
+        return [min(w, cap) for w in wants]
+    free = [bool(n) for n, _ in matches]  # drafts by lookup: no draft forward, nothing to catch up on
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
     # a constant, so a workload the draft guesses badly does not draft on every arrival. A lookup match
     # leans on the lane's drafts from matches in its class, and before there are any on what the run
@@ -448,7 +478,7 @@ def plan_depths(
         max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
         for s, a, w in zip(seqs, acceptances, wants, strict=True)
     ]
-    catch_ups = [0 if lookup else catch_up(s) for s in seqs]  # lookup keeps no cache to catch up
+    catch_ups = [0 if f else catch_up(s) for s, f in zip(seqs, free, strict=True)]  # lookup keeps no cache
     charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
     # Every probe_every-th round is a probe round for sequences that have not drafted for as long.
     costs.rounds += 1
@@ -463,14 +493,14 @@ def plan_depths(
     # at the 1.1 margin, before runs were told apart: L up 8-15 % and the forward's cost up as much).
     # Drafts from runs of QUOTE_RUN tokens or more are quotes (right 128 times of 128 at c = 16) and get
     # the common margin, so a sequence quoting its prompt drafts under load.
-    margins = (
-        [costs.min_gain if s.stats.lookup_run >= QUOTE_RUN else costs.lookup_min_gain for s in seqs] if lookup else None
-    )
-    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, margins)
+    margins = [
+        costs.lookup_min_gain if s.stats.lookup_run and s.stats.lookup_run < QUOTE_RUN else costs.min_gain for s in seqs
+    ]
+    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, margins, free)
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         costs.last_predicted = None
-    for s, d, c in zip(seqs, depths, catch_ups, strict=True):
-        if d:
+    for s, d, c, f in zip(seqs, depths, catch_ups, free, strict=True):
+        if d and not (f and quotes_only):  # what the draft model has seen (a quote beside it: nothing)
             s.stats.draft_synced, s.stats.drafted_at, s.stats.draft_catch_up = len(s.tokens), s.stats.steps, c
     return depths
 

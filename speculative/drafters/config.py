@@ -33,8 +33,19 @@ class DrafterConfig(BaseModel):
         description="Under sampling: draw drafts from q and verify by rejection sampling (higher acceptance); "
         "False drafts top-k and verifies by target-sample matching (output identical to plain sampling).",
     )
+    lookup_quotes: bool = Field(
+        True,
+        description="model: a sequence quoting its context (a prompt-lookup match agreeing for 8+ tokens, as code "
+        "edits give) drafts by lookup in the router instead, at no draft cost, where its tokens do not depend "
+        "on the drafter (greedy, or deterministic drafts). Under load quotes pay where the draft model no longer does.",
+    )
     max_ngram: int = Field(3, ge=1, le=16, description="lookup: longest suffix n-gram matched.")
     min_ngram: int = Field(1, ge=1, le=16, description="lookup: shortest suffix n-gram matched.")
+
+    @property
+    def quotes_by_lookup(self) -> bool:
+        """A draft model with prompt lookup beside it for quotes (`lookup_quotes`)."""
+        return self.kind == "model" and self.lookup_quotes
 
     @property
     def drafts_sampled(self) -> bool:

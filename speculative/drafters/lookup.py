@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -54,6 +55,21 @@ def run_prior(run: int) -> float:
 def lookup_continuation(tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int) -> list[int]:
     """Tokens that followed the earlier match of the longest matching suffix n-gram (`lookup_match`)."""
     return lookup_match(tokens, max_ngram, min_ngram, length)[1]
+
+
+def split_lookup(
+    lookup: PromptLookupDrafter | None, runs: Sequence[int], requests: list[DraftRequest]
+) -> tuple[list[Proposal | None], list[DraftRequest]]:
+    """Drafts by lookup for the requests whose sequence matched (`runs`: each one's match run class from
+    `load_control.plan_depths`, 0 where the draft model drafts), None elsewhere; and the requests left
+    for the draft model, lookup's at budget 0 (the model proposes nothing for them)."""
+    hits = [lookup is not None and run > 0 for run in runs]
+    found: list[Proposal | None] = [None] * len(requests)
+    if lookup is not None and any(hits):
+        mine = [i for i, hit in enumerate(hits) if hit]
+        for i, p in zip(mine, lookup.propose([requests[i] for i in mine]), strict=True):
+            found[i] = p
+    return found, [replace(r, budget=0) if hit else r for r, hit in zip(requests, hits, strict=True)]
 
 
 class PromptLookupDrafter:

@@ -15,6 +15,7 @@ from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from actors.wire import WireProposal, WireVerifyItem, Work
 from speculative.drafters.config import DrafterConfig
+from speculative.load_control import QUOTE_RUN
 from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
@@ -53,6 +54,36 @@ def test_greedy_matches_target_alone(tiny_pair: TinyPair, drafts: int, pipelinin
     assert sum(u["accepted"] for u in usage) > 0, "the noisy-copy draft should be accepted sometimes"
     assert all(u["acceptance_length"] >= 1.0 for u in usage)
     assert router._costs.verify.points, "the lanes measure verify costs, which set the load cap"
+
+
+def test_prompt_lookup_drafts_in_the_router_without_a_draft_call(tiny_pair: TinyPair) -> None:
+    """Prompt lookup costs ~0.1 ms a sequence, a call to the draft pool several: the router drafts by
+    lookup itself. The tokens are the target's alone, drafts land, and the pool is never called."""
+    requests = [(p * 3, m) for p, m in prompts_and_lengths(6)]  # prompts repeating themselves: matches
+    lookup = DrafterConfig(kind="lookup")
+    router = make_router(tiny_pair, drafter=lookup, lookup_ngrams=(3, 1))
+    results = asyncio.run(run_all(router, requests))
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+    assert sum(r["usage"]["drafted"] for r in results) > 0
+    assert [w._calls for w in router._draft.replicas] == [0]  # type: ignore[union-attr]
+
+
+def test_quotes_draft_by_lookup_beside_the_draft_model(tiny_pair: TinyPair) -> None:
+    """Beside a draft model the router drafts quotes (a match agreeing for 8+ tokens) by lookup and the
+    rest on the draft pool, in the same lanes: the tokens are the target's alone, and where the target
+    repeats its context the quote drafts landed."""
+    requests = prompts_and_lengths(8, seed=3)
+    quoted = [(p + p[: len(p) // 2] if len(p) >= 16 else p, m) for p, m in requests]  # half the prompt quoted
+    router = make_router(tiny_pair, lookup_ngrams=(3, 1), lookup_quotes_only=True)
+    results = asyncio.run(run_all(router, quoted))
+    for (prompt, max_new), result in zip(quoted, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+    assert sum(r["usage"]["accepted"] for r in results) > 0
+    assert router._costs.draft_step.points  # the draft model drafted too
+    quotes = {run: tally for run, tally in router._costs.pooled_by_match.items() if run >= QUOTE_RUN}
+    print("quote drafts (accepted, trials) by run class:", quotes)
+    assert quotes and max(accepted for accepted, _ in quotes.values()) > 0
 
 
 def test_stream_chunks_add_up_and_requests_join_late(tiny_pair: TinyPair) -> None:

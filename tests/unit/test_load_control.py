@@ -364,20 +364,26 @@ def test_quoted_lookup_drafts_pay_the_common_margin() -> None:
     assert depths[:2] == [4, 4] and depths[2:] == [0] * 14
 
 
-def test_prompt_lookup_has_nothing_to_catch_up_on() -> None:
-    """A draft model prefills each sequence it has not drafted for; prompt lookup has no cache, so its
-    first drafting round is not a catch-up call: it measures the draft round's cost, and the next
-    round is planned from it instead of drafting every match as deep as allowed again (a cold lane
-    at c = 16 did so for three rounds: 54 drafted tokens, most missed)."""
+def test_prompt_lookup_drafts_are_free_and_never_wait_for_a_draft_measurement() -> None:
+    """A draft model prefills each sequence it has not drafted for and its rounds are measured; prompt
+    lookup has no cache and no forward, so its drafts cost nothing to catch up on, its rounds measure
+    nothing, and a lane that never called a draft model plans from the verify curve alone: with the
+    draft side unmeasured, a draft model's lane drafts as deep as allowed once to learn it, which a
+    lookup lane must not (a cold lane at c = 16 did so for three rounds: 54 drafted tokens, most
+    missed)."""
     lookup = PromptLookupDrafter(max_ngram=3)
     quoting = Sequence("q", list(range(40)) + [5, 6, 7], GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
     quoting.stats.steps = 1  # prefilled; never drafted
     c = costs(CPU, {})
     (depth,) = plan_depths([quoting], c, 4, lookup=lookup)
-    assert depth == 4 and quoting.stats.draft_catch_up == 0  # unmeasured: drafts, with no catch-up
+    assert depth == 4 and quoting.stats.draft_catch_up == 0  # a quote at one stream: as deep as allowed
     c.observe_draft([quoting], [TokenTree.chain(7, [8, 9, 10, 11])], 0.0004)
-    assert [(p.x, p.seconds) for p in c.draft_step.points.values()] == [(1, 0.0001)]  # the round, per depth
-    assert c.draft_token is None
+    assert not c.draft_step.points and c.draft_token is None  # nothing measured
+    chance = [*range(200, 230), 205]  # "205" seen once before: a chance match
+    batch = [Sequence(f"c{i}", chance, GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0))) for i in range(16)]
+    for s in batch:
+        s.stats.steps = 1
+    assert plan_depths(batch, c, 4, lookup=lookup) == [0] * 16  # weighed at once: chance drafts do not pay
 
 
 def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
@@ -397,3 +403,34 @@ def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
     assert choose_depths([2] * 16, [0.9] * 16, c, 4, catch_ups=charged) == [0] * 16
     c.draft_token = None  # unpriced: one token each looks worth drafting
     assert choose_depths([2] * 16, [0.9] * 16, c, 4, catch_ups=charged) == [1] * 16
+
+
+def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer_pays() -> None:
+    """Under load on a CPU the draft model is priced out (its forwards cost about what its accepted
+    tokens save), but a sequence quoting its context still drafts: by lookup, free and as deep as the
+    quote and its room allow, even though the model's own estimate for it says not to draft. A chance
+    match is left to the model (priced out here), and so is a sequence whose tokens depend on its
+    drafter (sampled drafts under sampling). The draft model is not told a quoting
+    sequence drafted: it will have those tokens to catch up on if the model drafts for it later."""
+    lookup = PromptLookupDrafter(max_ngram=3)
+    quoted = [*range(100, 116), *range(100, 110)]  # the prompt 100..115 quoted for 10 tokens: a run of 10
+    chance = [*range(200, 230), 205]  # "205" seen once before: a run of 1
+    model_depth = AdaptiveConfig(draft_cost=0.35, prior_acceptance=0.3)  # on its own, the model drafts nothing
+
+    def seq(name: str, tokens: list[int], params: SamplingParams = GREEDY) -> Sequence:
+        s = Sequence(name, tokens, params, AdaptiveDepth(model_depth))
+        s.stats.steps, s.stats.drafted_at, s.stats.draft_synced = 5, 4, len(tokens) - 1
+        return s
+
+    sampled = SamplingParams(temperature=0.8, max_tokens=64, seed=1)
+    batch = [seq("q", quoted), seq("s", quoted, sampled)] + [seq(f"c{i}", chance) for i in range(14)]
+    c = costs(CPU, {16: 0.06, 2: 0.03})  # 60 ms a unit of depth for 16 sequences: the model does not pay
+    c.pooled_accepted, c.pooled_trials = 30.0, 100.0
+    depths = plan_depths(batch, c, 4, lookup=lookup, quotes_only=True)
+    assert [s.stats.lookup_run for s in batch[:3]] == [8, 0, 0]  # only the greedy quote drafts by lookup
+    assert depths[0] == 4 and depths[2:] == [0] * 14
+    assert batch[0].stats.draft_synced == len(quoted) - 1  # the draft model has not seen this round
+    # Without lookup beside it, the quoting sequence is the model's, and the model is priced out.
+    for s in batch:
+        s.stats.lookup_run = 0
+    assert plan_depths(batch, c, 4)[0] == 0
