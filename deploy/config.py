@@ -186,7 +186,7 @@ class AppConfig(BaseModel):
         default_factory=lambda: DrafterConfig.model_validate({}), description="Proposal shape."
     )
     speculation: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Depth rules and limits.")
-    draft_pool: DraftPoolConfig = Field(default_factory=DraftPoolConfig, description="Draft replicas.")
+    draft_pool: DraftPoolConfig = Field(default_factory=DraftPoolConfig, description="Draft replicas (a draft model).")
     target_pool: TargetPoolConfig = Field(default_factory=TargetPoolConfig, description="Target replicas.")
     router_pool: RouterPoolConfig = Field(default_factory=RouterPoolConfig, description="Router replicas.")
     front_door: FrontDoorConfig | None = Field(
@@ -205,11 +205,12 @@ class AppConfig(BaseModel):
         return ModelConfig(path=path, dtype=self.dtype, device=self.device, torch_threads=self.torch_threads)
 
     def draft_worker(self) -> DraftWorkerConfig | None:
-        """None when there is nothing to draft (kind none): no draft pool is deployed."""
-        if self.drafter.kind == "none":
+        """None without a draft model (kind none; kind lookup, which the router drafts itself): no draft
+        pool is deployed, so none holds a replica (or a GPU) that no call would reach."""
+        if self.drafter.kind != "model" or self.draft_model is None:
             return None
         return DraftWorkerConfig(
-            model=self._model(self.draft_model) if self.drafter.kind == "model" and self.draft_model else None,
+            model=self._model(self.draft_model),
             target_model=self.target_model,
             drafter=self.drafter,
             idle_evict_s=self.draft_pool.idle_evict_s,

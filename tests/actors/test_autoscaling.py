@@ -2,8 +2,9 @@
 
 Draft-bound: a draft model much heavier than the target, drafting 6 tokens every step (adaptive
 depth and the load control off): Serve adds a draft replica and no target replica. Target-bound: a
-heavy target with prompt-lookup drafts (almost free): Serve adds a target replica and no draft
-replica. Both pools run the same autoscaling settings; only where the work is differs.
+heavy target with the tiny draft model (~60x cheaper a token) drafting 1 token a step: Serve adds a
+target replica and no draft replica. Both pools run the same autoscaling settings; only where the
+work is differs.
 """
 
 from __future__ import annotations
@@ -47,16 +48,16 @@ def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def app(target: str, draft: str | None, drafter: str) -> AppConfig:
+def app(target: str, draft: str, depth: int) -> AppConfig:
     return AppConfig.model_validate(
         {
             "target_model": target,
             "draft_model": draft,
             "dtype": "float32",
             "torch_threads": 1,
-            "drafter": {"kind": drafter},
+            "drafter": {"kind": "model"},
             "speculation": {
-                "adaptive": {"enabled": False, "max_depth": 6},
+                "adaptive": {"enabled": False, "max_depth": depth},
                 "verify_token_budget": 1024,
                 "shrink_when_queued": False,
                 "load_adaptive": False,  # else the router stops drafting with a draft this heavy
@@ -92,12 +93,12 @@ def scale_under_load(config: AppConfig, grows: str, stays: str) -> tuple[int, in
 
 
 def test_draft_bound_load_scales_only_the_draft_pool(ray_local: None, tiny_pair: TinyPair, heavy_model: str) -> None:
-    grown, other, after = scale_under_load(app(tiny_pair.target, heavy_model, "model"), "draft", "target")
+    grown, other, after = scale_under_load(app(tiny_pair.target, heavy_model, 6), "draft", "target")
     print(f"draft-bound: draft replicas {grown} after {after:.1f}s, target replicas {other}")
     assert grown == 2 and other == 1
 
 
-def test_target_bound_load_scales_only_the_target_pool(ray_local: None, heavy_model: str) -> None:
-    grown, other, after = scale_under_load(app(heavy_model, None, "lookup"), "target", "draft")
+def test_target_bound_load_scales_only_the_target_pool(ray_local: None, tiny_pair: TinyPair, heavy_model: str) -> None:
+    grown, other, after = scale_under_load(app(heavy_model, tiny_pair.draft, 1), "target", "draft")
     print(f"target-bound: target replicas {grown} after {after:.1f}s, draft replicas {other}")
     assert grown == 2 and other == 1

@@ -25,6 +25,17 @@ def test_yaml_is_a_serve_config_whose_args_build(path: Path) -> None:
         assert isinstance(app_builder(app.args), Application)
 
 
+def test_a_draft_pool_only_for_a_draft_model() -> None:
+    """Prompt lookup is drafted by the router: a draft pool would hold replicas (GPUs) no call reaches."""
+    for kind in ("lookup", "none"):
+        args = {"target_model": "t", "drafter": {"kind": kind}, "draft_pool": {"num_gpus": 1}}
+        config = AppConfig.model_validate(args)
+        assert config.draft_worker() is None
+    config = AppConfig.model_validate({"target_model": "t", "draft_model": "d"})
+    worker = config.draft_worker()
+    assert worker is not None and worker.model is not None and worker.model.path == "d"
+
+
 def test_bundles_one_per_shard_replica_rides_in_the_first() -> None:
     config = AppConfig.model_validate(
         {

@@ -11,10 +11,11 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from ray import serve
 
 from deploy.config import AppConfig
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
-from tests.actors.serve_helpers import deployed, gather_generate, local_ray
+from tests.actors.serve_helpers import APP, deployed, gather_generate, local_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -62,10 +63,10 @@ def test_greedy_identical_to_target_alone(ray_local: None, tiny_pair: TinyPair, 
 
 
 def test_prompt_lookup_app_greedy_identical_to_target_alone(ray_local: None, tiny_pair: TinyPair) -> None:
-    """No draft model: the draft pool looks up n-grams. Depths are fixed by each sequence's acceptance
-    (not by the measured load, which on a slow machine may rightly choose plain decoding for these tiny
-    models), so the run is sure to speculate; the load-weighed lookup path is checked in-process in
-    tests/unit/test_greedy_exact.py."""
+    """No draft model: the router looks up n-grams itself and no draft pool is deployed. Depths are
+    fixed by each sequence's acceptance (not by the measured load, which on a slow machine may rightly
+    choose plain decoding for these tiny models), so the run is sure to speculate; the load-weighed
+    lookup path is checked in-process in tests/unit/test_greedy_exact.py."""
     config = app_config(tiny_pair, 1, 1).model_copy(update={"draft_model": None})
     config = AppConfig.model_validate(
         config.model_dump() | {"drafter": {"kind": "lookup"}, "speculation": {"load_adaptive": False}}
@@ -73,6 +74,7 @@ def test_prompt_lookup_app_greedy_identical_to_target_alone(ray_local: None, tin
     assert config.router().lookup_ngrams == (3, 1)
     requests = prompts_and_lengths(10)
     with deployed(config) as handle:
+        assert sorted(serve.status().applications[APP].deployments) == ["router", "target"]
         results = asyncio.run(
             gather_generate(handle, [(p, {"temperature": 0.0, "max_tokens": m}) for p, m in requests])
         )
