@@ -8,15 +8,31 @@ at the boundary, so a malformed request is refused before it reaches a lane.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import secrets
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from deploy.prompts import PromptTokenizer
 from speculative.sampling import SamplingParams
+
+T = TypeVar("T")
+
+# The bounds both front doors put on a request's stop conditions: one definition, so HTTP and gRPC
+# refuse the same requests with the same message (`check_stops`).
+MAX_STOP = 16  # stop strings per request: SamplingParams' own limit (OpenAI's is 4)
+MAX_STOP_CHARS = 256  # characters per stop string: each is matched against the output's tail on every chunk
+MAX_STOP_TOKEN_IDS = 64  # extra stop token ids per request: far more than any model's end markers
+
+# Outputs shorter than this are detokenized on the event loop (a decode of a few hundred tokens takes
+# well under a millisecond); longer ones on the front door's threads, as every chunk decodes them whole.
+_DECODE_ON_LOOP_TOKENS = 512
 
 
 class Backend(Protocol):
@@ -60,15 +76,52 @@ class FrontDoorConfig(BaseModel):
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="GET /health and Health fail if the target pool is silent longer."
     )
+    max_request_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        le=1024 * 1024 * 1024,
+        description="Largest HTTP body / serialized gRPC request (bytes); larger ones get 413 / RESOURCE_EXHAUSTED. "
+        "8 MiB: a 4 MB prompt, or 4,096 chat messages of 1 KB, fits with room for JSON escapes; Serve's gRPC "
+        "proxy takes up to 2 GiB (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE), so gRPC is checked here too.",
+    )
+    tokenizer_threads: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Threads that parse requests, render chat templates, tokenize and detokenize long outputs, so "
+        "the event loop serving every stream and /health never waits on a large prompt.",
+    )
 
 
 @dataclass(frozen=True)
 class FrontDoor:
-    """A front door's runtime state: its config, the target's tokenizer and context window."""
+    """A front door's runtime state: its config, the target's tokenizer and context window.
+
+    Tokenizing a large prompt takes seconds of CPU: `off_loop` runs it (and parsing, templating,
+    long detokenizing) on the front door's own threads; the tokenizer's Rust core lets go of the
+    GIL, so the event loop keeps serving streams and /health meanwhile.
+    """
 
     config: FrontDoorConfig
     tokenizer: PreTrainedTokenizerBase
     context_window: int
+    prompts: PromptTokenizer = field(init=False, repr=False, compare=False)
+    _threads: ThreadPoolExecutor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompts", PromptTokenizer(self.tokenizer))
+        threads = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="frontdoor")
+        object.__setattr__(self, "_threads", threads)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the front door's threads; the event loop serves other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
+
+    async def detokenize(self, detok: Detokenizer, token_ids: list[int], finish_reason: str | None = None) -> str:
+        """`detok.push`, off the event loop once the output is long enough for its decode to hold the loop."""
+        if len(detok.token_ids) + len(token_ids) < _DECODE_ON_LOOP_TOKENS:
+            return detok.push(token_ids, finish_reason)
+        return await self.off_loop(detok.push, token_ids, finish_reason)
 
     @property
     def model_name(self) -> str:
@@ -101,6 +154,32 @@ def load_front_door(config: FrontDoorConfig, model: str, resolve: Callable[[str]
     path = resolve(model)
     window = config.context_window or int(AutoConfig.from_pretrained(path).max_position_embeddings)
     return FrontDoor(config, AutoTokenizer.from_pretrained(path), window)
+
+
+def too_large(size: int, limit: int) -> RequestError:
+    """The refusal of a request over `max_request_bytes` (HTTP 413; gRPC RESOURCE_EXHAUSTED)."""
+    return RequestError(
+        f"The request is {size} bytes; this server takes at most {limit} bytes (front_door.max_request_bytes).",
+        status=413,
+        code="request_too_large",
+    )
+
+
+def check_stops(stop: Sequence[str], stop_token_ids: Sequence[int], prefix: str = "") -> None:
+    """The bounds of MAX_STOP, MAX_STOP_CHARS and MAX_STOP_TOKEN_IDS; RequestError names the field (after `prefix`)."""
+    problem = None
+    if len(stop) > MAX_STOP:
+        problem = "stop", f"at most {MAX_STOP} stop strings (got {len(stop)})"
+    elif any(not s for s in stop):
+        problem = "stop", "stop strings must be non-empty"
+    elif any(len(s) > MAX_STOP_CHARS for s in stop):
+        longest = max(len(s) for s in stop)
+        problem = "stop", f"a stop string has at most {MAX_STOP_CHARS} characters (got {longest})"
+    elif len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        problem = "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids (got {len(stop_token_ids)})"
+    if problem is not None:
+        param = prefix + problem[0]
+        raise RequestError(f"{param}: {problem[1]}", param=param)
 
 
 class RequestError(Exception):

@@ -10,7 +10,10 @@ the wiring). Errors are status codes with details naming the field:
     NOT_FOUND           an unknown `model`
     UNAUTHENTICATED     an API key is configured and `authorization: Bearer <key>` is missing/wrong
     RESOURCE_EXHAUSTED  the router is full (actors.router.Overloaded); trailing `retry-after` seconds
-                        (and "retry after N s" in the details, which survive Serve's proxy on streams)
+                        (and "retry after N s" in the details, which survive Serve's proxy on streams);
+                        or the request is over `front_door.max_request_bytes` serialized
+
+Tokenizing runs on the front door's threads (`FrontDoor.off_loop`), as on HTTP.
 
 `PlainServicer` hosts the same methods on a plain `grpc.aio` server (tests; a process without
 Serve), applying the status the way Serve's proxy does.
@@ -32,9 +35,11 @@ from deploy.frontdoor import (
     Detokenizer,
     FrontDoor,
     RequestError,
+    check_stops,
     client_error,
     fit_context,
     from_validation_error,
+    too_large,
 )
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -47,6 +52,7 @@ _HTTP_TO_GRPC = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "ignore_eos", "max_draft_tokens")
 
@@ -89,7 +95,7 @@ class GrpcIngress:
     ) -> pb.GenerateResponse:
         backend, front = cast(Backend, self), self.front
         try:
-            ids, sampling = _admit(front, request, grpc_context)
+            ids, sampling = await _admit(front, request, grpc_context)
             try:
                 result = await backend.generate(ids, sampling)
             except Exception as e:
@@ -102,7 +108,7 @@ class GrpcIngress:
         detok = Detokenizer(front.decode, tuple(sampling["stop"]))
         return pb.GenerateResponse(
             token_ids=result["token_ids"],
-            text=detok.push(list(result["token_ids"]), result["finish_reason"]),
+            text=await front.detokenize(detok, list(result["token_ids"]), result["finish_reason"]),
             finish_reason=_FINISH.get(result["finish_reason"] or "", pb.FINISH_REASON_UNSPECIFIED),
             usage=_usage(result.get("usage") or {}),
             model=front.model_name,
@@ -113,7 +119,7 @@ class GrpcIngress:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         backend, front = cast(Backend, self), self.front
         try:
-            ids, sampling = _admit(front, request, grpc_context)
+            ids, sampling = await _admit(front, request, grpc_context)
             stream = backend.generate_stream(ids, sampling)
             try:
                 first = await anext(stream)
@@ -133,7 +139,7 @@ class GrpcIngress:
                 reason = chunk["finish_reason"]
                 message = pb.GenerateStreamResponse(
                     token_ids=chunk["token_ids"],
-                    text=detok.push(list(chunk["token_ids"]), reason),
+                    text=await front.detokenize(detok, list(chunk["token_ids"]), reason),
                     finish_reason=_FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED),
                 )
                 if reason is not None:
@@ -155,28 +161,37 @@ class GrpcIngress:
         return pb.HealthResponse(status=status, model=front.model_name, context_window=front.context_window)
 
 
-def _admit(
+async def _admit(
     front: FrontDoor, request: pb.GenerateRequest, context: StatusContext | None
 ) -> tuple[list[int], dict[str, Any]]:
     if not front.authorized(_bearer(context)):
         raise GrpcStatus(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer <key>` metadata")
     try:
+        # Serve's gRPC proxy takes messages up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE (2 GiB by default), an
+        # environment variable of every proxy process that an application's config cannot set, so the
+        # limit is checked here, on the request's serialized size (computed, not serialized again).
+        if (size := request.ByteSize()) > front.config.max_request_bytes:
+            raise too_large(size, front.config.max_request_bytes)
         if request.model:
             front.check_model(request.model)
-        return to_generation(request, front, seed=secrets.randbits(63))
+        return await front.off_loop(to_generation, request, front, secrets.randbits(63))
     except RequestError as e:
         raise GrpcStatus(_HTTP_TO_GRPC.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
 
 
 def to_generation(request: pb.GenerateRequest, front: FrontDoor, seed: int) -> tuple[list[int], dict[str, Any]]:
-    """Prompt token ids and the SamplingParams dict of a request; RequestError names the field."""
+    """Prompt token ids and the SamplingParams dict of a request; RequestError names the field.
+
+    Tokenizes (control-token text in `text` as plain text): run it off the event loop.
+    """
     which = request.WhichOneof("prompt")
     if which is None:
         raise RequestError("prompt: set `text` or `token_ids`", param="prompt")
-    ids = list(front.tokenizer.encode(request.text)) if which == "text" else list(request.token_ids.ids)
+    s = request.sampling
+    check_stops(s.stop, s.stop_token_ids, "sampling.")  # the HTTP front door's bounds, before tokenizing
+    ids = front.prompts.text(request.text) if which == "text" else list(request.token_ids.ids)
     if not ids:
         raise RequestError(f"{which}: must not be empty", param=which)
-    s = request.sampling
     asked = s.max_tokens if s.HasField("max_tokens") else None
     fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     fields |= {

@@ -7,7 +7,12 @@
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for every malformed
 request (FastAPI's 422 included), 401 for a missing or wrong API key, 404 for an unknown model or
-route, 429 with `Retry-After` when the router is full (`actors.router.Overloaded`).
+route, 413 for a body over `front_door.max_request_bytes`, 429 with `Retry-After` when the router
+is full (`actors.router.Overloaded`).
+
+Parsing, chat templating and tokenizing run on the front door's threads (`FrontDoor.off_loop`):
+the replica's event loop also drives every lane and answers /health, and a 4 MB prompt takes
+seconds to tokenize.
 
 Wiring (deploy/app.py): the ingress is the Router class itself with the two front-door mixins;
 Serve builds this app on each replica after the constructor (`__serve_build_asgi_app__`), so the
@@ -47,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.router import Overloaded
-from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error, param_path
+from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error, param_path, too_large
 from deploy.openai_api import (
     AssistantMessage,
     ChatChoice,
@@ -108,11 +113,12 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)], openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _serve(backend, front, parse_request(CompletionRequest, await request.body()))
+        return await _serve(backend, front, CompletionRequest, await read_body(request, front.config.max_request_bytes))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _serve(backend, front, parse_request(ChatCompletionRequest, await request.body()))
+        body = await read_body(request, front.config.max_request_bytes)
+        return await _serve(backend, front, ChatCompletionRequest, body)
 
     _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
     return app
@@ -142,9 +148,36 @@ def _document_bodies(app: FastAPI, models: tuple[type[OpenAIRequest], ...]) -> N
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _serve(backend: Backend, front: FrontDoor, request: OpenAIRequest) -> Response:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 RequestError once it is over `limit` bytes.
+
+    A body over the limit is still read to its end (and dropped): a client gets its 413 only after
+    it has sent the whole body, and a server that answers early closes a connection the client is
+    still writing to, which the client sees as a reset rather than the 413.
+    """
+    declared = request.headers.get("content-length", "")
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+    if size > limit or (declared.isdigit() and int(declared) > limit):
+        raise too_large(max(size, int(declared) if declared.isdigit() else 0), limit)
+    return bytes(body)
+
+
+def _prepare(
+    front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: int
+) -> tuple[OpenAIRequest, list[int], dict[str, Any]]:
+    """Parse, check the model and tokenize: the request's CPU work, run off the event loop."""
+    request = parse_request(cls, body)
     front.check_model(request.model)
-    ids, sampling = to_generation(request, front.tokenizer, front.context_window, seed=secrets.randbits(63))
+    ids, sampling = to_generation(request, front, seed=seed)
+    return request, ids, sampling
+
+
+async def _serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], body: bytes) -> Response:
+    request, ids, sampling = await front.off_loop(_prepare, front, cls, body, secrets.randbits(63))
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     detok = Detokenizer(front.decode, tuple(sampling["stop"]))
     if request.stream:
@@ -160,7 +193,7 @@ async def _serve(backend: Backend, front: FrontDoor, request: OpenAIRequest) -> 
             await _close(stream)
             raise
         return StreamingResponse(
-            _events(request, front.model_name, detok, first, stream),
+            _events(request, front, detok, first, stream),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -170,13 +203,13 @@ async def _serve(backend: Backend, front: FrontDoor, request: OpenAIRequest) -> 
         if (error := client_error(e, prompt_param)) is None:
             raise
         raise error from e
-    return JSONResponse(_full_response(request, front.model_name, detok, result).model_dump(mode="json"))
+    text = await front.detokenize(detok, list(result["token_ids"]), result["finish_reason"])
+    return JSONResponse(_full_response(request, front.model_name, text, result).model_dump(mode="json"))
 
 
 def _full_response(
-    request: OpenAIRequest, model: str, detok: Detokenizer, result: dict[str, Any]
+    request: OpenAIRequest, model: str, text: str, result: dict[str, Any]
 ) -> Completion | ChatCompletion:
-    text = detok.push(list(result["token_ids"]), result["finish_reason"])
     token_ids = list(result["token_ids"]) if request.return_token_ids else None
     usage = Usage.from_router(result.get("usage") or {})
     reason = result["finish_reason"]
@@ -191,7 +224,7 @@ def _full_response(
 
 async def _events(
     request: OpenAIRequest,
-    model: str,
+    front: FrontDoor,
     detok: Detokenizer,
     first: dict[str, Any],
     stream: AsyncIterator[dict[str, Any]],
@@ -199,6 +232,7 @@ async def _events(
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
     chat = isinstance(request, ChatCompletionRequest)
     rid, created = new_id("chatcmpl" if chat else "cmpl")
+    model = front.model_name
     include_usage = request.stream_options is not None and request.stream_options.include_usage
 
     def event(choices: list[Any], usage: Usage | None = None) -> str:
@@ -218,7 +252,7 @@ async def _events(
         chunk = first
         while True:
             ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
-            text = detok.push(ids, reason)
+            text = await front.detokenize(detok, ids, reason)
             if text or reason is not None or (ids and request.return_token_ids):
                 yield event([choice(text, ids, reason)])
             if reason is not None:

@@ -22,12 +22,20 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from transformers import PreTrainedTokenizerBase
 
-from deploy.frontdoor import RequestError, fit_context, from_validation_error
+from deploy.frontdoor import (
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    FrontDoor,
+    RequestError,
+    check_stops,
+    fit_context,
+    from_validation_error,
+)
+from deploy.prompts import ControlTextRefused, PromptTokenizer
 from speculative.sampling import SamplingParams
 
 _REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 _RESPONSE = ConfigDict(extra="forbid")
-MAX_STOP = 16  # SamplingParams' limit (OpenAI's is 4; more costs nothing here)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
 
 
@@ -80,7 +88,9 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="Keep the k most likely; -1/0: all.")
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0, description="HF/CTRL penalty; 1: off.")
     ignore_eos: bool | None = Field(default=None, description="Generate past end-of-sequence tokens.")
-    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64, description="Extra stop tokens.")
+    stop_token_ids: list[TokenId] | None = Field(  # bounded by check_stops, as on gRPC (the same message)
+        default=None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS}, description="Extra stop tokens."
+    )
     return_token_ids: bool | None = Field(default=None, description="Add `token_ids` to each choice.")
     # specserve's own
     max_draft_tokens: int | None = Field(
@@ -188,27 +198,23 @@ def parse_request(cls: type[R], body: bytes) -> R:
 
 # ---- request -> router --------------------------------------------------------------------------
 def to_generation(
-    request: CompletionRequest | ChatCompletionRequest,
-    tokenizer: PreTrainedTokenizerBase,
-    context_window: int,
-    seed: int,
+    request: CompletionRequest | ChatCompletionRequest, front: FrontDoor, seed: int
 ) -> tuple[list[int], dict[str, Any]]:
     """Prompt token ids and the SamplingParams dict of a validated request.
 
     `seed` is used when the request has none (the caller draws a fresh one, so unseeded sampled
-    requests differ). Raises RequestError naming the field.
+    requests differ). Raises RequestError naming the field. Tokenizes: run it off the event loop.
     """
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    check_stops(stop, request.stop_token_ids or ())  # before tokenizing: cheap refusals first
     if isinstance(request, ChatCompletionRequest):
-        prompt, prompt_param = chat_prompt_ids(request, tokenizer), "messages"
+        prompt, prompt_param = chat_prompt_ids(request, front.tokenizer, front.prompts), "messages"
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         asked, default = request.max_completion_tokens or request.max_tokens, None
     else:
-        prompt, prompt_param = completion_prompt_ids(request.prompt, tokenizer), "prompt"
+        prompt, prompt_param = completion_prompt_ids(request.prompt, front.prompts), "prompt"
         max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
-    max_tokens = fit_context(len(prompt), asked, default, context_window, prompt_param, max_param)
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if len(stop) > MAX_STOP or any(not s for s in stop):
-        raise RequestError(f"stop: at most {MAX_STOP} strings, none empty", param="stop")
+    max_tokens = fit_context(len(prompt), asked, default, front.context_window, prompt_param, max_param)
     fields = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -228,10 +234,9 @@ def to_generation(
     return prompt, params.model_dump()
 
 
-def completion_prompt_ids(
-    prompt: str | list[int] | list[str] | list[list[int]], tokenizer: PreTrainedTokenizerBase
-) -> list[int]:
-    """One prompt's ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one)."""
+def completion_prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], prompts: PromptTokenizer) -> list[int]:
+    """One prompt's ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one),
+    control-token text in it as plain text (send token ids to place control tokens)."""
     one: str | list[int]
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         one = cast(str | list[int], prompt)
@@ -242,23 +247,40 @@ def completion_prompt_ids(
             f"prompt: {len(prompt)} prompts in one request; batches are not supported, send one per request",
             param="prompt",
         )
-    ids = [int(t) for t in tokenizer.encode(one)] if isinstance(one, str) else list(one)
+    ids = prompts.text(one) if isinstance(one, str) else list(one)
     if not ids:
         raise RequestError("prompt: must not be empty", param="prompt")
     return ids
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The conversation through the tokenizer's own chat template, with the assistant's turn opened."""
+def chat_prompt_ids(
+    request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, prompts: PromptTokenizer
+) -> list[int]:
+    """The conversation through the tokenizer's own chat template, with the assistant's turn opened.
+
+    Only the template's markers are control tokens: control-token text inside a message's content
+    is tokenized as plain text (deploy/prompts.py).
+    """
     if tokenizer.chat_template is None:
         raise RequestError("messages: this model has no chat template; use /v1/completions", param="messages")
     # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
+
+    def render(conversation: list[dict[str, str]]) -> str:
+        try:
+            return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+        except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation
+            raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
+
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation
-        raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
-    ids = list(tokenizer.encode(str(text), add_special_tokens=False))  # the template places BOS itself
+        ids = prompts.chat(messages, render)  # the template places BOS itself
+    except ControlTextRefused as e:
+        param = f"messages.[{e.index}].content"
+        raise RequestError(
+            f"{param}: holds the control token `{e.control}`, and this model's chat template changes message "
+            "text, so it cannot be kept as plain text",
+            param=param,
+        ) from None
     if not ids:
         raise RequestError("messages: the conversation renders to no tokens", param="messages")
     return ids
