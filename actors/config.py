@@ -119,6 +119,12 @@ class RouterConfig(BaseModel):
     pipelining: bool = Field(
         default=True, description="Micro-batch ping-pong: draft one half of a lane while the target verifies the other."
     )
+    round_ahead: bool = Field(
+        default=True,
+        description="While the target verifies a round, the draft pool drafts the next one from the continuation "
+        "it expects (speculative/ahead.py); a verdict that matches starts the next verify at once. Applies while "
+        "a lane has one micro-batch group in flight (with two, ping-pong already keeps both pools busy).",
+    )
     max_lane_sequences: int = Field(
         default=16,
         ge=1,
@@ -162,8 +168,17 @@ class RouterConfig(BaseModel):
         default=5.0,
         gt=0,
         le=600,
-        description="A draft call slower than this counts as failed: while a lost draft replica is replaced, "
-        "Serve holds calls until one is up, and the lane decodes on without them instead of waiting.",
+        description="The fixed part of a draft call's deadline: a call past its deadline counts as failed (the "
+        "lane decodes on without drafts for draft_backoff_s). While a lost draft replica is replaced, Serve holds "
+        "calls until one is up, and the deadline keeps the lane from waiting on them.",
+    )
+    draft_timeout_per_token_s: float = Field(
+        default=0.1,
+        ge=0,
+        le=60,
+        description="The deadline's part per token of work the call carries (tokens to catch up on plus tokens "
+        "to draft), so a new prompt's honest catch-up is never taken for a lost replica. A 0.5B draft on one "
+        "CPU core prefills ~80 tokens/s in bf16, ~8x under this allowance.",
     )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
     limits: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Speculation limits.")

@@ -12,6 +12,14 @@ so neither pool waits for the other unless one is slower (then it sets the pace:
 max(V, D) instead of V + D). Without pipelining there is one group and a round is draft, then
 verify; so is a round with pipelining while only one group holds sequences.
 
+Round ahead (`speculative/ahead.py`): while a group is verified, the draft pool pre-drafts that
+group's next round from the continuation it expects, for a group of one sequence (at one stream
+nothing else would overlap) and for every sequence in its prefill round (the draft model catches
+up on the prompt beside the target's prefill, never before the first token nor after it). When
+the verdict matches, the next verify starts at once with that draft; when not, the sequence is
+drafted again at the next round's start. The round waits for a pre-draft at most as long as its
+verify took; a later one is dropped, and the pool is not called again until it has answered.
+
 Sequences join between rounds (into the smaller group; a sequence joining the group that is
 already drafted is verified with an empty tree, which prefills it and yields one token) and leave
 when a stop condition hits or the client goes away; the workers forget them through `release`
@@ -25,13 +33,14 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from actors.config import RouterConfig
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, replica_lost
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
+from speculative.ahead import ahead_request, assumed_path, take_ahead
 from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
@@ -51,6 +60,7 @@ class Live:
     cancelled: bool = False
     admitted: float = field(default_factory=time.time)
     last_emit: float | None = None  # when the client last got tokens
+    draft_seen: int = 0  # tokens of it the draft pool was last sent (what a call's catch-up is counted from)
 
 
 @dataclass(frozen=True)
@@ -66,11 +76,28 @@ class StepRecord:
     tokens: int  # tokens committed
     draft_replica: str | None = None
     target_replica: str | None = None
+    ahead: Work | None = None  # the pre-draft made beside this round's verify, if it answered in the round
+    ahead_tried: int = 0  # sequences pre-drafted
+    ahead_hits: int = 0  # of them, those whose pre-draft is the next round's proposal
+    unverified: int = 0  # pre-drafted tokens that will never be verified (misses, other guesses)
+
+    @property
+    def draft_hidden(self) -> tuple[float, float]:
+        """(draft compute seconds beside this round's verify, the rest): what overlap hid."""
+        hidden = total = 0.0
+        for w in (self.draft, self.ahead):
+            if w is None:
+                continue
+            total += w.seconds
+            if self.verify is not None:
+                hidden += max(min(w.end, self.verify.end) - max(w.start, self.verify.start), 0.0)
+        return hidden, total - hidden
 
     @property
     def overhead(self) -> float:
         """Seconds of the round in neither draft nor target compute (Ray hops, Python, waiting)."""
-        spans = sorted((max(w.start, self.start), min(w.end, self.end)) for w in (self.draft, self.verify) if w)
+        works = (self.draft, self.verify, self.ahead)
+        spans = sorted((max(w.start, self.start), min(w.end, self.end)) for w in works if w)
         covered, reach = 0.0, self.start
         for lo, hi in spans:
             lo = max(lo, reach)
@@ -81,12 +108,34 @@ class StepRecord:
 
 @dataclass
 class _Half:
-    """What one side of a round did: a draft call or a verify call."""
+    """What one side of a round did: a draft call or a verify call (with its pre-draft, if any)."""
 
     work: Work | None = None
     seqs: int = 0
     tokens: int = 0
     replica: str | None = None
+    ahead: _Settled | None = None
+
+
+@dataclass
+class _Ahead:
+    """A pre-draft in flight: the next round's drafts for some of a group's sequences."""
+
+    group: int
+    task: asyncio.Task[Drafted]
+    lives: list[Live]
+    paths: list[list[int]]  # per live, the draft tokens the pre-draft assumes accepted
+    released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
+
+
+@dataclass(frozen=True)
+class _Settled:
+    """How a pre-draft ended within its round."""
+
+    work: Work
+    tried: int
+    hits: int
+    unverified: int
 
 
 @dataclass
@@ -120,6 +169,8 @@ class Lane:
         ngrams = ctx.config.lookup_ngrams  # prompt lookup, drafted here: no call, and depths know each match
         self.lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
         self.quotes_only = ctx.config.lookup_quotes_only  # lookup beside a draft model: quotes only
+        self.round_ahead = ctx.config.round_ahead and pool_drafts
+        self._late: asyncio.Task[Drafted] | None = None  # a pre-draft that outlived its round
         self.task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -161,13 +212,18 @@ class Lane:
         if len(busy) == 1:  # nothing to overlap with: draft and verify in one round
             g = busy[0]
             draft = await self._draft(g) if not self.drafted[g] else None
-            verify = await self._verify(g)
+            verify = await self._verify(g, ahead=self.round_ahead)
         else:
             vg = next((g for g in (0, 1) if self.drafted[g] and self.groups[g]), None)
             dg = next((g for g in (0, 1) if not self.drafted[g] and self.groups[g] and g != vg), None)
             draft, verify = await asyncio.gather(self._draft(dg), self._verify(vg))
         d, v = draft or _Half(), verify or _Half()
-        self.ctx.record(StepRecord(start, time.time(), d.work, v.work, d.seqs, v.seqs, v.tokens, d.replica, v.replica))
+        a = v.ahead
+        record = StepRecord(start, time.time(), d.work, v.work, d.seqs, v.seqs, v.tokens, d.replica, v.replica)
+        if a is not None:
+            record = replace(record, ahead=a.work, ahead_tried=a.tried, ahead_hits=a.hits, unverified=a.unverified)
+        self.ctx.record(record)
+        self.ctx.metrics.draft_time(*record.draft_hidden)
 
     def _sweep(self) -> None:
         """Drop cancelled sequences between rounds (no call is in flight)."""
@@ -185,15 +241,19 @@ class Lane:
     async def _draft(self, g: int | None) -> _Half | None:
         if g is None:
             return None
-        lives = list(self.groups[g].values())
+        group = list(self.groups[g].values())
+        lives = [x for x in group if x.proposal is None]  # the others hold their pre-drafts
         config = self.ctx.config
         costs = self.ctx.costs if config.limits.load_adaptive else None
-        overlapped = len(self.groups) > 1 and all(self.groups)  # the other group's verify runs beside this draft
+        # The other group's verify runs beside this draft; or, for one sequence drafting round ahead, this
+        # round's draft is the exception (a miss) and the next is drafted beside the verify.
+        overlapped = (len(self.groups) > 1 and all(self.groups)) or (self.round_ahead and len(group) == 1)
         seqs = [x.seq for x in lives]
         depths = plan_depths(
-            seqs, costs, self.depth_cap(len(lives)), overlapped, config.drafts_sampled, self.lookup, self.quotes_only
+            seqs, costs, self.depth_cap(len(group)), overlapped, config.drafts_sampled, self.lookup, self.quotes_only
         )
-        self.predicted[g] = costs.last_predicted if costs is not None else None
+        # A round mixing pre-drafts with these drafts is not the round this plan priced: no calibrating on it.
+        self.predicted[g] = costs.last_predicted if costs is not None and len(lives) == len(group) else None
         requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
         self.ctx.metrics.depth.set(sum(r.budget for r in requests) / max(len(requests), 1))
         # Prompt lookup drafts here, in the router (~0.1 ms a sequence): a call to the draft pool would
@@ -202,12 +262,13 @@ class Lane:
         proposals = [WireProposal.encode(p) if p is not None else None for p in found]
         half = _Half(seqs=len(lives))
         pool, called_pool = self.ctx.draft, False
-        if pool is not None and time.time() >= self._draft_off_until and any(r.budget for r in modelled):
+        if self._pool_free() and pool is not None and any(r.budget for r in modelled):
             try:
                 called = time.perf_counter()
+                work = sum(_work(x, r) for x, r in zip(lives, modelled, strict=True) if r.budget)
                 drafted: Drafted = await asyncio.wait_for(
                     pool.call("propose", self.key, self.cache_key(g), modelled, self.release_draft[g]),
-                    self.ctx.config.draft_timeout_s,
+                    self._deadline(work),
                 )
                 self.release_draft[g] = []
                 half.work, half.replica, called_pool = drafted.work, drafted.replica, True
@@ -217,8 +278,7 @@ class Lane:
                 self.ctx.costs.observe_draft(seqs, [p.tree for p in drafted.proposals], waited, self.predicted[g])
                 proposals = [p or d for p, d in zip(proposals, drafted.proposals, strict=True)]
             except Exception as e:  # a draft failure never fails a request: decode without speculation
-                logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, e)
-                self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s
+                self._draft_failed(e)
         if any(r.budget for r in modelled) and not called_pool:  # not drafted as planned: no calibrating on it
             self.predicted[g] = None
         for live, proposal in zip(lives, proposals, strict=True):
@@ -226,18 +286,118 @@ class Lane:
         self.drafted[g] = True
         return half
 
+    def _pool_free(self) -> bool:
+        """The draft pool may be called: no backoff after a failure, no pre-draft of ours still running."""
+        if self._late is not None and self._late.done():
+            self._late = None
+        return self._late is None and time.time() >= self._draft_off_until
+
+    def _deadline(self, work_tokens: int) -> float:
+        """Seconds a draft call carrying this many tokens (to catch up on and to draft) may take before it
+        counts as failed: sized to the work, so slow is not lost."""
+        config = self.ctx.config
+        return config.draft_timeout_s + config.draft_timeout_per_token_s * work_tokens
+
+    def _draft_failed(self, error: BaseException) -> None:
+        logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.key, error)
+        self._draft_off_until = time.time() + self.ctx.config.draft_backoff_s
+
+    # ---- round ahead ---------------------------------------------------------------------
+    def _ahead_depth(self, live: Live, group_size: int) -> int:
+        """How deep to pre-draft this sequence's next round (0: not at all).
+
+        A sequence in its prefill round drafts its first round's depth (its own want within the lane's
+        cap, as the planner would once it had steps), and so does one drafting alone in its group
+        (the depth of the draft now verified); others are planned at their round's start. Only
+        sequences whose tokens do not depend on the draft (greedy, deterministic drafts) pre-draft, and
+        not those the router drafts by lookup itself (free, at the round's start).
+        """
+        seq, config = live.seq, self.ctx.config
+        if not (seq.params.greedy or not config.drafts_sampled) or (self.lookup is not None and seq.stats.lookup_run):
+            return 0
+        tree = live.proposal.tree if live.proposal is not None else None
+        if not seq.stats.steps:
+            depth = min(seq.depth.next_depth(), self.depth_cap(group_size))
+        elif group_size == 1 and tree is not None and tree.size:
+            depth = max(tree.depths)
+        else:
+            return 0
+        path = len(assumed_path(tree)) if tree is not None else 0
+        own = seq.params.max_draft_tokens if seq.params.max_draft_tokens is not None else depth
+        # After a hit this round commits path + bonus; the next then adds at least one token.
+        return max(min(depth, own, seq.params.max_tokens - len(seq.output) - path - 2), 0)
+
+    def _start_ahead(self, g: int, lives: list[Live]) -> _Ahead | None:
+        """Send the pre-drafts of this group's next round, beside the verify about to start."""
+        pool = self.ctx.draft
+        if pool is None or not self._pool_free():
+            return None
+        picked = [(x, d) for x in lives if (d := self._ahead_depth(x, len(lives)))]
+        if not picked:
+            return None
+        requests, paths, work = [], [], 0
+        for live, depth in picked:
+            seq = live.seq
+            tree = live.proposal.tree if live.proposal is not None else _empty(seq).tree
+            request = ahead_request(seq.seq_id, tuple(seq.tokens), tree, depth, seq.params)
+            requests.append(request)
+            paths.append(assumed_path(tree))
+            work += _work(live, request)
+            # What the draft model will have seen: the load planner's catch-up accounting (`catch_up`).
+            stats = seq.stats
+            stats.draft_synced, stats.drafted_at, stats.draft_catch_up = len(request.tokens), stats.steps, 0
+        released, self.release_draft[g] = self.release_draft[g], []
+        call = pool.call("propose", self.key, self.cache_key(g), requests, released)
+        task = asyncio.get_running_loop().create_task(asyncio.wait_for(call, self._deadline(work)))
+        return _Ahead(g, task, [x for x, _ in picked], paths, released)
+
+    async def _settle_ahead(
+        self, pre: _Ahead, verify_s: float, committed: dict[str, tuple[int, ...]]
+    ) -> _Settled | None:
+        """Take the pre-drafts that the verdicts (`committed`: each sequence's verdict tokens) matched.
+
+        Waits at most `verify_s` (the verify's own duration) for the pre-draft; a later one is left to
+        finish, its drafts dropped (the pool is not called again until it answers)."""
+        done, _ = await asyncio.wait({pre.task}, timeout=verify_s)
+        if not done:
+            self._late = pre.task
+            pre.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+            self.ctx.metrics.ahead(len(pre.lives), 0, "late")
+            return None
+        try:
+            drafted = pre.task.result()
+        except Exception as e:
+            self.release_draft[pre.group] += pre.released
+            self._draft_failed(e)
+            return None
+        group, hits, unverified = self.groups[pre.group], 0, 0
+        for live, path, wire in zip(pre.lives, pre.paths, drafted.proposals, strict=True):
+            verdict = committed.get(live.seq.seq_id)
+            alive = verdict is not None and live.seq.seq_id in group and live.seq.finish_reason is None
+            taken = take_ahead(wire.decode(), path, verdict) if alive and verdict is not None else None
+            unverified += wire.tree.size - (taken.tree.size if taken is not None else 0)
+            if taken is not None:
+                live.proposal, hits = WireProposal.encode(taken), hits + 1
+        self.drafted[pre.group] = bool(group) and all(x.proposal is not None for x in group.values())
+        self.ctx.metrics.ahead(len(pre.lives), hits, "settled", unverified)
+        return _Settled(drafted.work, len(pre.lives), hits, unverified)
+
     # ---- verify and commit -------------------------------------------------------------
-    async def _verify(self, g: int | None) -> _Half | None:
+    async def _verify(self, g: int | None, ahead: bool = False) -> _Half | None:
         if g is None:
             return None
         lives = list(self.groups[g].values())
         items = [
             WireVerifyItem(x.seq.seq_id, tuple(x.seq.tokens), x.seq.params, x.proposal or _empty(x.seq)) for x in lives
         ]
+        pre = self._start_ahead(g, lives) if ahead else None
         verified = await self._verify_call(g, items)
         self.drafted[g] = False
         if verified is None:
             self._fail(g, "target pool unavailable")
+            if pre is not None:  # its drafts are for sequences that just failed
+                self._late = pre.task
+                pre.task.add_done_callback(lambda t: t.cancelled() or t.exception())
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
         trees = [item.proposal.tree for item in items]
@@ -247,7 +407,11 @@ class Lane:
         committed = 0
         for live, verdict in zip(lives, verified.verdicts, strict=True):
             committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))
-        return _Half(verified.work, len(lives), committed, verified.replica)
+        half = _Half(verified.work, len(lives), committed, verified.replica)
+        if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token
+            verdicts = {x.seq.seq_id: v.tokens for x, v in zip(lives, verified.verdicts, strict=True)}
+            half.ahead = await self._settle_ahead(pre, verified.work.seconds, verdicts)
+        return half
 
     async def _verify_call(self, g: int, items: list[WireVerifyItem]) -> Verified | None:
         for attempt in range(self.ctx.config.verify_retries + 1):
@@ -303,6 +467,14 @@ class Lane:
                         await pool.call("release", self.key, self.cache_key(g), ids)
                     except Exception as e:  # soft state: the worker evicts idle groups anyway
                         logger.info("lane %s: release failed (%r)", self.key, e)
+
+
+def _work(live: Live, request: DraftRequest) -> int:
+    """Tokens a draft call computes for this request: those the pool has not seen, then the drafts; and
+    from now on the pool has seen the request's tokens."""
+    work = max(len(request.tokens) - live.draft_seen, 1) + request.budget
+    live.draft_seen = len(request.tokens)
+    return work
 
 
 def _empty(seq: Sequence) -> WireProposal:

@@ -13,7 +13,14 @@ Names are permanent (dashboards depend on them):
   specserve_request_tokens_per_second: latency and speed histograms;
 - specserve_queue_depth: sequences active in the router replica;
 - specserve_speculation_depth: mean draft depth of the last drafted micro-batch;
-- specserve_replica_up: 1 per live draft / target replica (sum by deployment = replicas per pool).
+- specserve_replica_up: 1 per live draft / target replica (sum by deployment = replicas per pool);
+- specserve_predraft_sequences_total{outcome}: sequences pre-drafted round ahead (`actors/lane.py`),
+  by outcome: hit (the next round's proposal), miss (redrafted), late (answered after its round);
+  hit rate = hit / (hit + miss + late);
+- specserve_draft_tokens_unverified_total: draft tokens computed that no verify will see (missed
+  pre-drafts, the guesses beside the one that hit);
+- specserve_draft_seconds_total{hidden}: draft compute seconds, hidden ("true") behind a verify of
+  the same lane or not ("false"); hidden share = true / (true + false).
 Outside a Ray worker (plain-Python tests) every recorder is a no-op.
 """
 
@@ -81,6 +88,38 @@ class RouterMetrics:
         )
         self.queue = m.Gauge("specserve_queue_depth", "Sequences active in the router.") if m else null
         self.depth = m.Gauge("specserve_speculation_depth", "Mean draft depth of the last micro-batch.") if m else null
+        self.predraft = (
+            m.Counter("specserve_predraft_sequences_total", "Sequences pre-drafted round ahead.", ("outcome",))
+            if m
+            else null
+        )
+        self.unverified = (
+            m.Counter("specserve_draft_tokens_unverified_total", "Draft tokens no verify will see.") if m else null
+        )
+        self.draft_seconds = (
+            m.Counter("specserve_draft_seconds_total", "Draft compute seconds, hidden or not.", ("hidden",))
+            if m
+            else null
+        )
+
+    def ahead(self, tried: int, hits: int, outcome: str, unverified: int = 0) -> None:
+        """A pre-draft of `tried` sequences ended: settled in its round (`hits` of them hit), or late."""
+        if outcome == "late":
+            self.predraft.inc(tried, tags={"outcome": "late"})
+            return
+        if hits:
+            self.predraft.inc(hits, tags={"outcome": "hit"})
+        if tried - hits:
+            self.predraft.inc(tried - hits, tags={"outcome": "miss"})
+        if unverified:
+            self.unverified.inc(unverified)
+
+    def draft_time(self, hidden: float, exposed: float) -> None:
+        """A round's draft compute: seconds beside a verify of the lane, and the rest."""
+        if hidden > 0:
+            self.draft_seconds.inc(hidden, tags={"hidden": "true"})
+        if exposed > 0:
+            self.draft_seconds.inc(exposed, tags={"hidden": "false"})
 
     def step(self, depths: tuple[int, ...], n_accepted: int, new_tokens: int, now: float, live: Any) -> None:
         """One verified step of one sequence; `depths`: the tree's node depths (root 0 included)."""

@@ -167,6 +167,8 @@ def summarize(records: list[StepRecord]) -> dict[str, Any]:
     draft = sum(r.draft.seconds for r in records if r.draft)
     verify = sum(r.verify.seconds for r in records if r.verify)
     overhead = sum(r.overhead for r in records)
+    hidden = sum(r.draft_hidden[0] for r in records)
+    tried = sum(r.ahead_tried for r in records)
     return {
         "rounds": n,
         "step_s": wall / n,
@@ -175,6 +177,11 @@ def summarize(records: list[StepRecord]) -> dict[str, Any]:
         "overhead_s": overhead / n,
         "overhead_share": overhead / wall if wall > 0 else 0.0,
         "tokens": sum(r.tokens for r in records),
+        # round ahead: pre-drafts that were the next round's proposal; draft time the verifies hid
+        "predraft_sequences": tried,
+        "predraft_hit_rate": sum(r.ahead_hits for r in records) / tried if tried else 0.0,
+        "draft_hidden_share": hidden / (hidden + sum(r.draft_hidden[1] for r in records)) if hidden else 0.0,
+        "draft_tokens_unverified": sum(r.unverified for r in records),
         "verified_seqs_per_round": sum(r.verified_seqs for r in records) / n,
         "draft_calls": dict(Counter(r.draft_replica for r in records if r.draft_replica)),
         "verify_calls": dict(Counter(r.target_replica for r in records if r.target_replica)),

@@ -54,7 +54,7 @@ from bench import report
 from bench.single_stream import PROMPTS
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.demo import _wait_ready
+from deploy.demo import wait_ready
 from deploy.models import REGISTRY, fetch
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -238,7 +238,7 @@ def deploy(args: argparse.Namespace) -> None:
         app = build_app(app_config(args, mode))
         deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": mode, "route_prefix": f"/{mode}"})
         deploying.start()
-        _wait_ready(f"http://127.0.0.1:{args.port}/{mode}", timeout_s=900)
+        wait_ready(f"http://127.0.0.1:{args.port}/{mode}", timeout_s=900)
         deploying.join()
 
 

@@ -4,18 +4,22 @@
     python -m deploy.cli serve --keep-running  # stay up: http://127.0.0.1:8000/v1, gRPC :9000
 
 Fetches the models of the config (progress per model), starts Ray and Serve in this process,
-deploys the application of `deploy/local.yaml`, waits for it to load, then streams one chat
-completion through the OpenAI-compatible HTTP API, printing tokens/s and the speculative figures.
+deploys the application of `deploy/local.yaml`, waits for it to load, then streams the same chat
+completion through the OpenAI-compatible HTTP API twice: with speculation, and with
+`max_draft_tokens: 0` (plain decoding, the same tokens), and prints both rates side by side with
+the acceptance length. Ray's and Serve's own log lines go to Ray's session folder, not here.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +30,13 @@ from deploy.models import REGISTRY, fetch
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "local.yaml"
 
 
-def _app_block(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def app_block(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the Serve config's grpc_options, the first application's args)."""
     data = yaml.safe_load(config_path.read_text())
     return data.get("grpc_options", {}), data["applications"][0]["args"]
 
 
-def _wait_ready(url: str, timeout_s: float) -> None:
+def wait_ready(url: str, timeout_s: float) -> None:
     start = time.monotonic()
     while True:
         elapsed = time.monotonic() - start
@@ -49,11 +53,28 @@ def _wait_ready(url: str, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def _stream(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed completion, as its client saw it."""
+
+    text: str
+    tokens: int
+    seconds: float
+    first_token_s: float
+    acceptance_length: float
+    drafted: int
+    accepted: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, speculate: bool, show: bool) -> Streamed:
     import openai
 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
-    start, first, usage = time.perf_counter(), None, None
+    start, first, usage, text = time.perf_counter(), None, None, []
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -61,25 +82,56 @@ def _stream(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={} if speculate else {"max_draft_tokens": 0},
     )
-    print(f"\n> {prompt}\n", file=sys.stderr)
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
             if choice.delta.content:
                 first = first or time.perf_counter()
-                print(choice.delta.content, end="", flush=True)
+                text.append(choice.delta.content)
+                if show:
+                    print(choice.delta.content, end="", flush=True)
     elapsed = time.perf_counter() - start
-    if usage is not None:
-        extra = usage.model_extra or {}
-        print(
-            f"\n\n{usage.completion_tokens} tokens in {elapsed:.1f} s = {usage.completion_tokens / elapsed:.2f} "
-            f"tokens/s (first token after {(first or start) - start:.1f} s); acceptance length "
-            f"{extra.get('acceptance_length', 0):.2f}, {extra.get('accepted_tokens', 0)}/"
-            f"{extra.get('draft_tokens', 0)} draft tokens accepted",
-            file=sys.stderr,
-        )
+    extra = (usage.model_extra or {}) if usage is not None else {}
+    return Streamed(
+        "".join(text),
+        usage.completion_tokens if usage is not None else 0,
+        elapsed,
+        (first or start) - start,
+        float(extra.get("acceptance_length", 0.0)),
+        int(extra.get("draft_tokens", 0)),
+        int(extra.get("accepted_tokens", 0)),
+    )
+
+
+def _report(spec: Streamed, plain: Streamed) -> str:
+    """Both runs side by side, and what speculation bought."""
+    rows = [("", "speculative", "plain (max_draft_tokens 0)")]
+    rows.append(("tokens", str(spec.tokens), str(plain.tokens)))
+    rows.append(("seconds", f"{spec.seconds:.1f}", f"{plain.seconds:.1f}"))
+    rows.append(("tokens/s", f"{spec.rate:.2f}", f"{plain.rate:.2f}"))
+    rows.append(("first token (s)", f"{spec.first_token_s:.2f}", f"{plain.first_token_s:.2f}"))
+    rows.append(("acceptance length", f"{spec.acceptance_length:.2f}", "1.00"))
+    rows.append(("draft tokens accepted", f"{spec.accepted}/{spec.drafted}", "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    speedup = spec.rate / plain.rate if plain.rate > 0 else 0.0
+    return "\n".join([*lines, f"speculation: {speedup:.2f}x the plain rate; {_agreement(spec.text, plain.text)}"])
+
+
+def _agreement(spec: str, plain: str) -> str:
+    """How far the two texts agree. In float32 greedy speculation is token-identical to plain decoding
+    (tests/unit/test_pretrained_exact.py); in bfloat16 a verify over several tokens rounds differently
+    from a one-token step, so a near-tie between two tokens can fall the other way."""
+    if spec == plain:
+        return "the same text"
+    common = next((i for i, (a, b) in enumerate(zip(spec, plain, strict=False)) if a != b), min(len(spec), len(plain)))
+    return (
+        f"the texts agree for their first {common} of {len(plain)} characters (bfloat16 rounds a several-token "
+        "verify unlike a one-token step, so a near-tie can fall the other way; float32 is token-identical)"
+    )
 
 
 def _logical_cpus(args: dict[str, Any]) -> int:
@@ -99,34 +151,69 @@ def _logical_cpus(args: dict[str, Any]) -> int:
     return max(os.cpu_count() or 1, math.ceil(need))
 
 
-def serve_demo(config_path: Path, prompt: str, max_tokens: int, keep_running: bool, port: int = 8000) -> int:
+def _session_logs() -> str:
+    try:
+        import ray
+
+        node: Any = ray._private.worker._global_node
+        return str(Path(node.get_session_dir_path()) / "logs")
+    except Exception:  # a Ray without that private path: its documented default
+        return "/tmp/ray/session_latest/logs"
+
+
+def start_local_ray(args: dict[str, Any]) -> None:
+    """Ray embedded in this process, with CPUs for the config's replicas; its log lines go to its folder."""
     import ray
-    from ray import serve
 
-    from deploy.app import app_builder
-
-    grpc_options, args = _app_block(config_path)
-    for key in ("target_model", "draft_model"):
-        if args.get(key) in REGISTRY:
-            fetch(args[key])
     ray.init(
         address="local",
         num_cpus=_logical_cpus(args),
         include_dashboard=False,
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        log_to_driver=False,  # the replicas' lines stay in Ray's session folder (printed below)
+        logging_level=logging.WARNING,
     )
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    print(f"Ray and Serve log to {_session_logs()}", file=sys.stderr)
+
+
+def deploy_local(args: dict[str, Any], port: int, grpc_options: dict[str, Any] | None = None) -> str:
+    """Serve on this machine's Ray, the application of `args` deployed as "specserve" at /; its base URL once
+    every replica has loaded (progress shown meanwhile)."""
+    from ray import serve
+
+    from deploy.app import app_builder
+
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options or None)
+    # serve.run returns once every replica has loaded its model: run it aside, show progress here.
+    deploying = threading.Thread(
+        target=serve.run, args=(app_builder(args),), kwargs={"name": "specserve", "route_prefix": "/"}
+    )
+    deploying.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, timeout_s=1800)
+    deploying.join()
+    return url
+
+
+def serve_demo(config_path: Path, prompt: str, max_tokens: int, keep_running: bool, port: int = 8000) -> int:
+    import ray
+    from ray import serve
+
+    grpc_options, args = app_block(config_path)
+    for key in ("target_model", "draft_model"):
+        if args.get(key) in REGISTRY:
+            fetch(args[key])
+    start_local_ray(args)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options or None)
-        # serve.run returns once every replica has loaded its model: run it aside, show progress here.
-        deploying = threading.Thread(
-            target=serve.run, args=(app_builder(args),), kwargs={"name": "specserve", "route_prefix": "/"}
-        )
-        deploying.start()
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, timeout_s=1800)
-        deploying.join()
+        url = deploy_local(args, port, grpc_options)
         model = args.get("front_door", {}).get("served_model_name", args["target_model"])
-        _stream(url, model, prompt, max_tokens)
+        stream_chat(url, model, prompt, 8, speculate=True, show=False)  # warm-up: the first forwards are slower
+        print(f"\n> {prompt}\n", file=sys.stderr)
+        spec = stream_chat(url, model, prompt, max_tokens, speculate=True, show=True)
+        print("\n\n(the same request again, max_draft_tokens: 0: plain decoding)", file=sys.stderr)
+        plain = stream_chat(url, model, prompt, max_tokens, speculate=False, show=False)
+        print("\n" + _report(spec, plain), file=sys.stderr)
         if keep_running:
             print(
                 f"\nserving {model}: {url}/v1 (OpenAI), gRPC on :{grpc_options.get('port', 9000)}; Ctrl-C stops",

@@ -1,0 +1,93 @@
+"""Round-ahead drafting in a lane: pre-drafts made beside the verify, taken on a hit, redrafted on a miss.
+
+The router, draft worker and target replica are plain objects in one process (tiny fp32 models),
+so every assertion is about tokens, never about time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.router import Router
+from speculative.drafters.config import DrafterConfig
+from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
+from tests.actors.test_router_local import make_router
+
+
+async def one_at_a_time(router: Router, requests: list[tuple[list[int], int]], sampling: dict) -> list[dict]:
+    """c = 1: each request alone in its lane, as a single user sees the server."""
+    return [await router.generate(p, sampling | {"max_tokens": m}) for p, m in requests]
+
+
+def test_round_ahead_greedy_identical_to_the_target_alone_hits_and_misses(tiny_pair: TinyPair) -> None:
+    """At one stream the draft pre-drafts every round beside the verify; the noisy-copy draft makes
+    both hits and misses, and every token is the target's own."""
+    requests = prompts_and_lengths(8, seed=21)
+    router = make_router(tiny_pair)
+    results = asyncio.run(one_at_a_time(router, requests, {"temperature": 0.0}))
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+    stats = asyncio.run(router.stats())
+    print({k: stats[k] for k in ("predraft_sequences", "predraft_hit_rate", "draft_tokens_unverified")})
+    assert stats["predraft_sequences"] > len(requests), "pre-drafts beyond the prefill rounds"
+    assert 0.0 < stats["predraft_hit_rate"] < 1.0, "both hits and misses were exercised"
+    assert stats["draft_tokens_unverified"] > 0
+    assert sum(r["usage"]["accepted"] for r in results) > 0
+
+
+def test_a_prompt_is_caught_up_on_beside_the_target_prefill(tiny_pair: TinyPair) -> None:
+    """The first draft call of a sequence rides beside its prefill verify: the draft model has the prompt
+    before the second round, whose proposal is the pre-draft when the target's first token matched."""
+    prompt, _ = prompts_and_lengths(1, seed=4)[0]
+    router = make_router(tiny_pair)
+    result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
+    assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
+    first = router._records[0]
+    assert first.verified_seqs == 1 and first.draft is None, "the prefill round made no draft call before it"
+    assert first.ahead is not None and first.ahead_tried == 1, "the prompt was pre-drafted beside the prefill"
+    assert first.ahead.start < first.verify.end  # type: ignore[union-attr]
+
+
+def test_round_ahead_on_and_off_give_the_same_tokens(tiny_pair: TinyPair) -> None:
+    """Drafts are only proposals: greedy and seeded sampled requests (sampled and deterministic drafts)
+    commit the same tokens with round-ahead drafting on and off."""
+    requests = prompts_and_lengths(4, seed=9)
+    cases = [
+        ({"temperature": 0.0}, None),
+        ({"temperature": 0.9, "top_k": 30, "seed": 5}, None),
+        ({"temperature": 0.9, "top_k": 30, "seed": 5}, DrafterConfig(sampled=False)),
+    ]
+    for sampling, drafter in cases:
+        on = make_router(tiny_pair, drafter=drafter, round_ahead=True, drafts_sampled=drafter is None)
+        off = make_router(tiny_pair, drafter=drafter, round_ahead=False, drafts_sampled=drafter is None)
+        got_on = asyncio.run(one_at_a_time(on, requests, sampling))
+        got_off = asyncio.run(one_at_a_time(off, requests, sampling))
+        assert [r["token_ids"] for r in got_on] == [r["token_ids"] for r in got_off], (sampling, drafter)
+        assert asyncio.run(off.stats())["predraft_sequences"] == 0
+
+
+class Slow:
+    """A draft pool whose calls take `per_token` seconds per token of work (catch-up plus drafting)."""
+
+    def __init__(self, inner: object, per_token: float) -> None:
+        self.inner, self.per_token = inner, per_token
+
+    async def call(self, method: str, lane: str | None, *args: object) -> object:
+        if method == "propose":
+            requests = args[1]
+            work = sum(len(r.tokens) + r.budget for r in requests if r.budget)  # type: ignore[attr-defined]
+            await asyncio.sleep(self.per_token * work)
+        return await self.inner.call(method, lane, *args)  # type: ignore[attr-defined]
+
+
+def test_a_slow_catch_up_is_not_taken_for_a_lost_draft_replica(tiny_pair: TinyPair) -> None:
+    """A long prompt's catch-up takes far longer than the deadline's fixed part: the deadline grows with
+    the call's work, so the draft call succeeds and the sequence drafts (with a fixed 0.2 s it failed)."""
+    prompt = (prompts_and_lengths(1, seed=2)[0][0] * 20)[:60]
+    deadline = {"draft_timeout_s": 0.2, "draft_timeout_per_token_s": 0.02, "draft_backoff_s": 600.0}
+    # Depth by acceptance alone: the load planner would rightly stop drafting on a draft this slow.
+    router = make_router(tiny_pair, limits={"load_adaptive": False}, **deadline)
+    router._draft = Slow(router._draft, per_token=0.005)  # type: ignore[arg-type]  # 60-token prompt: ~0.3 s
+    result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 16}))
+    assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 16)
+    assert result["usage"]["drafted"] > 0, "the draft call was not timed out"
