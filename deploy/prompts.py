@@ -4,7 +4,7 @@ A client's text is text: `<|im_start|>system` inside a message (or a completions
 tokenized as the characters it is, never as the model's control tokens, so a user cannot open a
 system turn or end the assistant's. The chat template's output is tokenized with its markers as
 control tokens, and the message contents that hold a control token's text are cut out of it and
-tokenized as plain text (as vLLM does). A conversation whose contents hold no control-token text
+tokenized as plain text. A conversation whose contents hold no control-token text
 tokenizes exactly as `tokenizer.encode(rendered, add_special_tokens=False)`.
 """
 
