@@ -10,6 +10,11 @@ groups, and the replica is the only caller of its shards, so it alone orders the
 
 The replica itself reserves no GPU (its shards hold them) and serializes verify calls: the
 shards must see calls in the same order, and a forward uses the whole model anyway.
+
+Health is checked, not assumed: Serve's `check_health` (every `health_check_period_s`) and the
+front doors' readiness (`ping`) ping every shard with a deadline, so a shard killed from outside
+Ray (SIGKILL, the OOM killer) makes the replica unhealthy at the next check, with no request in
+flight, and Serve replaces it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -27,10 +32,15 @@ from actors.loading import Resolver, identity
 from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
-from actors.target_shard import TargetShard
+from actors.target_shard import HEALTH_GROUP, TargetShard
 from actors.wire import TargetInfo, Verified, WireVerifyItem
 
 logger = logging.getLogger(__name__)
+
+# A shard that does not answer a ping this long is lost. The ping runs on the shard's own health
+# thread, beside any verify, so only a hung or unreachable process takes this long; Serve's own
+# deadline for check_health (health_check_timeout_s) is 30 s by default.
+SHARD_PING_TIMEOUT_S = 10.0
 
 
 class Shards(Protocol):
@@ -59,7 +69,9 @@ class RayShards:
         pg = ray.util.get_current_placement_group()
         if pg is None and config.tp_size > 1:
             logger.warning("no placement group: the %d shards may land on different nodes", config.tp_size)
-        remote: Any = ray.remote(TargetShard)
+        # `ping`'s own thread, answered beside a verify (declared here: `.options()` cannot set it; the
+        # cast because ray.remote's typed overloads leave concurrency_groups out).
+        remote: Any = cast(Any, ray.remote)(concurrency_groups={HEALTH_GROUP: 1})(TargetShard)
         self.actors: list[Any] = [
             remote.options(
                 num_cpus=config.shard_num_cpus,
@@ -145,10 +157,26 @@ class TargetReplica:
             **where(),
         }
 
-    def check_health(self) -> None:
-        """Serve's health hook: a lost shard makes the replica unhealthy, and Serve replaces it."""
+    async def ping(self, lane: str | None = None) -> str:
+        """Every shard answers (else RuntimeError): the replica can serve. Its tag; what readiness probes ask."""
+        await self.check_health()
+        return self.tag
+
+    async def check_health(self) -> None:
+        """Serve's health hook: a lost shard makes the replica unhealthy, and Serve replaces it.
+
+        A shard is lost once a call saw its actor die, or when it does not answer a ping in
+        SHARD_PING_TIMEOUT_S (a process killed while no request ran is found here).
+        """
         if self._failed is not None:
             raise RuntimeError(f"a target shard failed: {self._failed!r}")
+        try:
+            await asyncio.wait_for(self.shards.call("ping"), SHARD_PING_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            self._failed = e
+            raise RuntimeError(f"a target shard failed: {e!r}") from e
+        except TimeoutError:
+            raise RuntimeError(f"a target shard did not answer a ping within {SHARD_PING_TIMEOUT_S:.0f} s") from None
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {BUSY_METRIC: self._busy.take()}

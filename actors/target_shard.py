@@ -6,6 +6,9 @@ same logits on every rank (an all-reduce leaves one sum on all ranks), hence the
 and the same commits. The replica returns rank 0's verdicts and checks the others agree. Which
 group caches to drop is decided by the replica and sent along, never by a shard's own clock, so
 the shards' caches never diverge.
+
+`ping` runs in its own concurrency group (`HEALTH_GROUP`, one thread of its own), so the replica's
+health check is answered while a long verify runs: a shard that does not answer is lost, not busy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from speculative.acceptance import Verdict
 from speculative.loading import eos_ids_of
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
+
+HEALTH_GROUP = "health"  # the actor's concurrency group for `ping` (RayShards declares it)
 
 
 class TargetShard:
@@ -81,6 +86,11 @@ class TargetShard:
     def info(self) -> TargetInfo:
         assert self._info is not None, "load() first"
         return self._info
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def ping(self) -> int:
+        """This shard's rank: its process is up (answered beside a running verify, on the health thread)."""
+        return self.rank
 
     def describe(self) -> dict[str, Any]:
         owners = [] if self._verifiers is None else self._verifiers.owners()

@@ -52,6 +52,10 @@ class Backend(Protocol):
         """The target's vocab_size, eos_ids and model; it answers once the target pool does."""
         ...
 
+    async def ready(self) -> None:
+        """Returns once a target replica can serve now (all its shards answer); raises when none can."""
+        ...
+
 
 class FrontDoorConfig(BaseModel):
     """How the front doors present the served model to clients."""

@@ -154,7 +154,7 @@ class GrpcIngress:
     async def Health(self, request: pb.HealthRequest, grpc_context: StatusContext | None = None) -> pb.HealthResponse:
         backend, front = cast(Backend, self), self.front
         try:
-            await asyncio.wait_for(backend.info(), front.config.health_timeout_s)
+            await asyncio.wait_for(backend.ready(), front.config.health_timeout_s)
             status = pb.HealthResponse.SERVING_STATUS_SERVING
         except Exception:
             status = pb.HealthResponse.SERVING_STATUS_NOT_SERVING

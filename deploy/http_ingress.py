@@ -3,7 +3,7 @@
     POST /v1/completions        text or token-id prompt; `stream: true` for server-sent events
     POST /v1/chat/completions   messages through the model's own chat template
     GET  /v1/models             the served model
-    GET  /health                readiness: 200 once the target pool answers, else 503 (no API key)
+    GET  /health                readiness: 200 while a target replica can serve, else 503 (no API key)
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for every malformed
 request (FastAPI's 422 included), 401 for a missing or wrong API key, 404 for an unknown model or
@@ -100,7 +100,7 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         try:
-            await asyncio.wait_for(backend.info(), front.config.health_timeout_s)
+            await asyncio.wait_for(backend.ready(), front.config.health_timeout_s)
         except Exception as e:
             error = RequestError(f"not ready: {e!r}", status=503, type="server_error", code="not_ready")
             return JSONResponse(ErrorBody.of(error).model_dump(), status_code=503)

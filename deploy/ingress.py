@@ -3,6 +3,10 @@
 Serve builds the FastAPI app on each replica after the constructor (`__serve_build_asgi_app__`),
 so the HTTP routes and the gRPC methods call that replica's own `generate` / `generate_stream`,
 with no handle in between.
+
+Readiness (GET /health, gRPC Health) asks the target pool each time (`ready`), not the router's
+target info, which is fetched once: a pool whose replica lost a shard reads as not ready until
+Serve has replaced it.
 """
 
 from __future__ import annotations
@@ -30,3 +34,7 @@ class Ingress(OpenAIIngress, GrpcIngress, Router):
     ) -> None:
         Router.__init__(self, config, draft, target, tokenizer=tokenizer, resolve=resolve)
         self.front = load_front_door(front, tokenizer, resolve)
+
+    async def ready(self) -> None:
+        """A target replica answers `ping` (every shard of it alive) now; raises otherwise."""
+        await self._target.call("ping", None)  # the router's pool of target replicas (no lane: any replica)

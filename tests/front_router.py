@@ -99,6 +99,9 @@ class FrontRouter:
     async def info(self) -> dict[str, Any]:
         return {"vocab_size": VOCAB, "eos_ids": sorted(self.eos_ids), "model": MODEL_NAME}
 
+    async def ready(self) -> None:
+        await self.info()  # the target is in this process: ready when it answers
+
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         tokens: list[int] = []
         last: dict[str, Any] = {}

@@ -8,6 +8,11 @@
   own `describe()` accounting shows.
 - No leaks: after 1,000 short requests the cached-sequence counts are back to zero and the
   resident memory of every replica process is back near its level before them.
+- Size: a 10 MB request gets HTTP 413 / gRPC RESOURCE_EXHAUSTED through Serve's proxies, and the
+  next request is served.
+- Truthful health: a target shard SIGKILLed while idle turns GET /health to 503 and gRPC Health to
+  NOT_SERVING at once; requests are served again, and health is back, once Serve replaced the
+  replica (last: it replaces a replica the tests above measure).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import APP, free_port, local_ray, run_app, wait_until
 from tests.front_router import MODEL_NAME, save_tiny_pair
-from tests.reliability.conftest import actor_rss, describe
+from tests.reliability.conftest import actor_rss, describe, target_shard_killer
 from tests.tiny_models import reference_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -204,3 +209,60 @@ def test_no_leaks_after_1000_short_requests(served: Served) -> None:
     print(f"1000 requests in {elapsed:.1f}s; RSS growth (MiB) by process: {growth}")
     assert set(after) == set(before), "no replica died or was added"
     assert all(g < 16 for g in growth.values()), growth
+
+
+def test_a_10mb_request_is_refused_through_serves_proxies(served: Served) -> None:
+    text = "hello " * (10 * 2**20 // 6)
+    body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 2}
+    http = requests.post(served.http + "/v1/completions", json=body, timeout=120)
+    assert http.status_code == 413, http.text[:300]
+    assert http.json()["error"]["code"] == "request_too_large"
+    big = pb.GenerateRequest(model=MODEL_NAME, text=text, sampling=pb.SamplingParams(max_tokens=2))
+    small = pb.GenerateRequest(model=MODEL_NAME, text="hello world", sampling=pb.SamplingParams(max_tokens=2))
+
+    async def calls() -> tuple[grpc.aio.AioRpcError, Any]:
+        options = [("grpc.max_send_message_length", 64 * 2**20)]
+        async with grpc.aio.insecure_channel(served.grpc, options=options) as channel:
+            stub = pb_grpc.SpecServeStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(big, metadata=METADATA)
+            return refused.value, await stub.Generate(small, metadata=METADATA)
+
+    error, after = asyncio.run(calls())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_request_bytes" in (error.details() or "")
+    assert len(after.token_ids) == 2
+    status, _, reply, _ = completion(served, 0, 4)
+    assert status == 200 and reply["choices"][0]["token_ids"] == reference_greedy(served.target, prompt_of(0), 4)
+
+
+def health(served: Served) -> tuple[int, int]:
+    """GET /health's status code and gRPC Health's serving status."""
+
+    async def grpc_health() -> int:
+        async with grpc.aio.insecure_channel(served.grpc) as channel:
+            reply = await pb_grpc.SpecServeStub(channel).Health(pb.HealthRequest(), metadata=METADATA, timeout=30)
+            return int(reply.status)
+
+    return requests.get(served.http + "/health", timeout=30).status_code, asyncio.run(grpc_health())
+
+
+def test_health_is_503_while_the_target_lost_a_shard_and_requests_are_served_again(served: Served) -> None:
+    serving, not_serving = (
+        (200, pb.HealthResponse.SERVING_STATUS_SERVING),
+        (503, pb.HealthResponse.SERVING_STATUS_NOT_SERVING),
+    )
+    assert health(served) == serving
+    killed, kill = target_shard_killer()
+    kill()  # no request in flight: only a health check can notice
+    start = time.monotonic()
+    assert wait_until(lambda: health(served) == not_serving, timeout_s=10, every_s=0.2), health(served)
+    print(f"/health 503 and NOT_SERVING {time.monotonic() - start:.1f} s after the kill")
+    served_again = None
+    while served_again is None and time.monotonic() - start < 60:
+        status, _, reply, _ = completion(served, 3, 4)
+        served_again = reply if status == 200 else None
+    print(f"served again {time.monotonic() - start:.1f} s after the kill")
+    assert served_again is not None, "a request is served within 60 s of the kill"
+    assert served_again["choices"][0]["token_ids"] == reference_greedy(served.target, prompt_of(3), 4)
+    assert describe("target")["replica"] != killed, "Serve replaced the replica"
+    assert wait_until(lambda: health(served) == serving, timeout_s=30), health(served)
