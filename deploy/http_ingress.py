@@ -113,7 +113,8 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)], openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _serve(backend, front, CompletionRequest, await read_body(request, front.config.max_request_bytes))
+        body = await read_body(request, front.config.max_request_bytes)
+        return await _serve(backend, front, CompletionRequest, body)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
