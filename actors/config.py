@@ -54,6 +54,14 @@ class DraftWorkerConfig(BaseModel):
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this long unused (a router died)."
     )
+    nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="Niceness added to the replica's process: drafts are optional work, so where the draft "
+        "shares CPU cores with the target, the router or Serve's proxies (a laptop, a CPU node), they get the "
+        "cores first; where each pool has its own device and cores, nothing changes.",
+    )
 
 
 class TargetConfig(BaseModel):

@@ -9,6 +9,7 @@ answering Serve's health and metrics probes while it computes.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
@@ -24,8 +25,11 @@ from speculative.drafters.config import build_drafter
 
 
 class DraftWorker:
-    def __init__(self, config: DraftWorkerConfig, resolve: Resolver = identity) -> None:
+    def __init__(self, config: DraftWorkerConfig, resolve: Resolver = identity, own_process: bool = False) -> None:
+        """`own_process`: the worker is alone in its process (a Serve replica), so `config.nice` applies."""
         self.config = config
+        if own_process and config.nice:
+            os.nice(config.nice)
         self.model = load_lm(config.model, resolve) if config.model is not None else None
         self.target_vocab = vocab_size_of(config.target_model, resolve)
         self._caches: GroupCaches[Drafter | None] = GroupCaches(self._new_drafter, config.idle_evict_s)

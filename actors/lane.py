@@ -306,20 +306,27 @@ class Lane:
     def _ahead_depth(self, live: Live, group_size: int) -> int:
         """How deep to pre-draft this sequence's next round (0: not at all).
 
-        A sequence in its prefill round drafts its first round's depth (its own want within the lane's
-        cap, as the planner would once it had steps), and so does one drafting alone in its group
-        (the depth of the draft now verified); others are planned at their round's start. Only
-        sequences whose tokens do not depend on the draft (greedy, deterministic drafts) pre-draft, and
-        not those the router drafts by lookup itself (free, at the round's start).
+        A sequence in its prefill round drafts its own first depth (its want within the lane's cap);
+        one drafting alone in its group drafts what the planner chooses for its next round, priced as
+        overlapped (a hit hides the draft behind the verify); others are planned at their round's
+        start. Only sequences whose tokens do not depend on the draft (greedy, deterministic drafts)
+        pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
         """
         seq, config = live.seq, self.ctx.config
-        if not (seq.params.greedy or not config.drafts_sampled) or (self.lookup is not None and seq.stats.lookup_run):
+        if not (seq.params.greedy or not config.drafts_sampled):
             return 0
         tree = live.proposal.tree if live.proposal is not None else None
         if not seq.stats.steps:
             depth = min(seq.depth.next_depth(), self.depth_cap(group_size))
         elif group_size == 1 and tree is not None and tree.size:
-            depth = max(tree.depths)
+            costs = self.ctx.costs if config.limits.load_adaptive else None
+            run = seq.stats.lookup_run  # what this round drafted by: its verdict is tallied by it
+            (depth,) = plan_depths(
+                [seq], costs, self.depth_cap(1), True, config.drafts_sampled, self.lookup, self.quotes_only
+            )
+            quoted, seq.stats.lookup_run = seq.stats.lookup_run, run
+            if self.lookup is not None and quoted:  # a quote: drafted by lookup at the next round's start
+                return 0
         else:
             return 0
         path = len(assumed_path(tree)) if tree is not None else 0

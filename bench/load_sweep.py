@@ -2,10 +2,9 @@
 
 One run, same machine, same models. Each mode is its own application on embedded Ray behind
 Serve's HTTP proxy (all deployed first, idle while another is measured):
-- draft:  the draft model proposes chains; depth per sequence by acceptance, per batch by load;
-          a sequence quoting its prompt drafts by prompt lookup instead (`lookup_quotes`, the default);
-- lookup: prompt lookup (n-gram matches in the context), no draft model, drafted in the router;
-- off:    (only if asked for) an application with no drafter: plain continuous batching.
+- draft:  the shipped Serve YAML (`--config`, default `deploy/local.yaml`) unchanged: what users run;
+- lookup: (only if asked for) the same YAML with prompt lookup in place of the draft model;
+- off:    (only if asked for) the same YAML with no drafter: plain continuous batching.
 Speculation off is measured on each speculating application itself, as `off@draft` / `off@lookup`:
 the same requests with `max_draft_tokens: 0` (plain decoding, same tokens). Each mode is compared
 with its own off, on the same processes, so nothing but speculation differs between the two arms
@@ -26,11 +25,11 @@ target step (acceptance length), and the ratio to `off` at the same concurrency.
 reports the analytic bound L*T/(V+D) of DESIGN.md from the same run (T: off's verify step, V and
 D: this mode's verify and draft compute inside the workers) and efficiency = speedup / bound.
 
-Both pools get the whole machine's threads and the router runs draft, then verify (no ping-pong):
-on a 2-core CPU the two would only contend (bench/results/pipelining.md).
+At c = 1 it also reports each prompt kind's rate on and off (its requests' tokens over their
+seconds), so the code prompts can be read apart from the mix.
 
-    python -m bench.load_sweep                                      # Qwen 1.5B / 0.5B, bf16
-    python -m bench.load_sweep --target smollm2-135m --modes lookup --concurrency 1 4 --max-tokens 8
+    python -m bench.load_sweep                                       # deploy/local.yaml
+    python -m bench.load_sweep --config deploy/smoke.yaml --concurrency 1 4 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from bench import report
 from bench.single_stream import PROMPTS
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.demo import wait_ready
+from deploy.demo import DEFAULT_CONFIG, app_block, wait_ready
 from deploy.models import REGISTRY, fetch
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -79,30 +78,30 @@ def baseline(arm: str, measured: list[str]) -> str | None:
 
 
 def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
-    return AppConfig.model_validate(
-        {
-            "front_door": {"served_model_name": "bench"},
-            "target_model": args.target,
-            "draft_model": args.draft if mode == "draft" else None,
-            "dtype": args.dtype,
-            "torch_threads": args.threads,
-            "drafter": {"kind": DRAFTERS[mode]},
-            "speculation": {
-                "adaptive": {"max_depth": args.max_depth, "draft_cost": 0.0 if mode == "lookup" else 0.35},
-                "verify_token_budget": 256,
-            },
-            "draft_pool": {"num_cpus": 1},
-            "target_pool": {"shard_num_cpus": 1},
-            "router_pool": {"num_cpus": 0.5, "router": {"pipelining": False, "max_lane_sequences": 64}},
-        }
-    )
+    """The shipped YAML's application for `draft`; for `lookup` and `off`, the same with that drafter."""
+    _, shipped = app_block(Path(args.config))
+    if mode == "draft":
+        return AppConfig.model_validate(shipped)
+    speculation = shipped.get("speculation", {})
+    adaptive = speculation.get("adaptive", {}) | ({"draft_cost": 0.0} if mode == "lookup" else {})
+    changed = {
+        "draft_model": None,
+        "drafter": {"kind": DRAFTERS[mode]},
+        "speculation": speculation | {"adaptive": adaptive},
+    }
+    return AppConfig.model_validate(shipped | changed)
+
+
+def served_name(args: argparse.Namespace) -> str:
+    config = app_config(args, "draft")
+    front = config.front_door
+    return front.served_model_name if front is not None and front.served_model_name else config.target_model
 
 
 async def one_request(
     session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, extra: dict[str, Any]
 ) -> dict[str, Any]:
     body = extra | {
-        "model": "bench",
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -125,6 +124,7 @@ async def one_request(
                 usage = chunk["usage"]
             if any(c["delta"].get("content") for c in chunk.get("choices", [])):
                 arrivals.append(time.perf_counter())
+    seconds = time.perf_counter() - start
     tokens = usage.get("completion_tokens", 0)
     if tokens != max_tokens:
         raise RuntimeError(f"asked for {max_tokens} tokens (ignore_eos), got {tokens}")
@@ -133,6 +133,7 @@ async def one_request(
     per_token = (tokens - 1) / len(gaps) if gaps else 1.0
     return {
         "tokens": tokens,
+        "seconds": seconds,
         "arrivals": arrivals,
         "chunks": len(arrivals),
         "ttft": arrivals[0] - start if arrivals else float("nan"),
@@ -141,6 +142,9 @@ async def one_request(
         "acceptance_length": usage.get("acceptance_length", 1.0),
     }
 
+
+KINDS = {text: kind for kind, text in PROMPTS.items()}
+CODE = ("code", "code-edit")  # the code prompts of the mix
 
 # Output lengths of the mix, as fractions of --max-tokens (mean 1): real requests differ in length, and
 # equal ones would finish together and make plain decoding prefill each wave in one batch.
@@ -169,7 +173,8 @@ async def level(
         first = True
         while not queue.empty():
             prompt, n = queue.get_nowait()
-            results.append(await one_request(session, url, prompt, n, extra or {}) | {"first": first})
+            done = await one_request(session, url, prompt, n, extra or {})
+            results.append(done | {"first": first, "kind": KINDS[prompt]})
             first = False
         exits.append(time.perf_counter())
 
@@ -223,7 +228,18 @@ def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
         "itl_p50": _pct(itl, 50),
         "itl_p99": _pct(itl, 99),
         "acceptance_length": tokens / max(sum(r["tokens"] / r["acceptance_length"] for r in results), 1e-9),
+        # per prompt kind (and the code prompts together): their requests' tokens over their seconds
+        "by_kind": {
+            kind: sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+            for kind, mine in _by_kind(results).items()
+        },
     }
+
+
+def _by_kind(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups = {kind: [r for r in results if r["kind"] == kind] for kind in PROMPTS}
+    groups["code prompts"] = [r for r in results if r["kind"] in CODE]
+    return {kind: mine for kind, mine in groups.items() if mine}
 
 
 def _pct(xs: list[float], q: int) -> float:
@@ -246,9 +262,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each concurrency level on every arm in turn, so a disturbance of the machine hits them alike."""
     handles = {mode: serve.get_app_handle(mode) for mode in args.modes}
     urls = {mode: f"http://127.0.0.1:{args.port}/{mode}" for mode in args.modes}
-    extra = {arm: {"max_draft_tokens": 0} if arm.startswith(OFF) else {} for arm in arms(args.modes)}
+    model = {"model": served_name(args)}
+    extra = {arm: model | ({"max_draft_tokens": 0} if arm.startswith(OFF) else {}) for arm in arms(args.modes)}
     for mode in args.modes:  # warm-up: first forwards, kernel choice, connections, cost measurements
-        asyncio.run(level(urls[mode], 2, 6, 16))
+        asyncio.run(level(urls[mode], 2, 6, 16, model))
     rows = []
     for c in args.concurrency:
         per_client = max(args.requests_per_client, -(-args.min_requests // c))  # every client sends as many
@@ -286,6 +303,8 @@ def summarize(rows: list[dict[str, Any]]) -> None:
         mine, theirs = r.get("pass_tokens_per_s", []), base.get("pass_tokens_per_s", []) if base else []
         r["vs_off_by_pass"] = [a / b for a, b in zip(mine, theirs, strict=True)] if theirs else []
         r["vs_off_ci"] = ratio_interval(r["vs_off_by_pass"])
+        theirs_by_kind = base.get("by_kind", {}) if base else {}
+        r["by_kind_vs_off"] = {k: v / theirs_by_kind[k] for k, v in r.get("by_kind", {}).items() if k in theirs_by_kind}
         r["bound"] = r["efficiency"] = float("nan")
         if base and r["concurrency"] == 1 and r["verify_s"] + r["draft_s"] > 0:
             r["bound"] = r["acceptance_length"] * base["verify_s"] / (r["verify_s"] + r["draft_s"])
@@ -348,8 +367,14 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         + ["-".join(f"{x:.2f}" for x in r.get("vs_off_ci", [])) or "-"]
         for r in sorted(rows, key=lambda r: (r["concurrency"], arms(args.modes).index(r["mode"])))
     ]
+    first = [r for r in rows if r["concurrency"] == min(args.concurrency) and r.get("by_kind_vs_off")]
+    kinds = list(dict.fromkeys(k for r in first for k in r["by_kind_vs_off"]))
+    per_kind = report.markdown_table(
+        ["mode", *(f"{k} vs off" for k in kinds)],
+        [[r["mode"], *(r["by_kind_vs_off"].get(k) for k in kinds)] for r in first],
+    )
     intro = (
-        f"Target {args.target}, draft {args.draft}, {args.dtype}, {args.threads} torch threads per worker; "
+        f"`{Path(args.config).name}` unchanged (the route prefix aside) for draft; "
         f"output tokens per request {', '.join(f'{f:g}' for f in LENGTHS)} x {args.max_tokens} (ignore_eos), "
         "greedy, streamed over HTTP; draft: quotes drafted by prompt lookup (`lookup_quotes`); "
         f"{args.requests_per_client} requests per client (at least {args.min_requests}) per level and pass, "
@@ -364,30 +389,28 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "vs off: tok/s over the same application's off at the same concurrency. L: output tokens per target "
         "step. ITL: gap between streamed chunks divided by the tokens they carry. bound (c = 1): "
         "L*T/(V+D) with T = off's verify compute per step, V, D = this mode's verify and draft compute "
-        "per step (inside the workers); efficiency = vs off / bound. vs off by pass: each pass's tok/s "
+        "per step (inside the workers), the sequential bound (round-ahead drafting hides D behind V); "
+        "efficiency = vs off / bound. vs off by pass: each pass's tok/s "
         "over its off's in the same pass (arms adjacent in time): their spread is the machine's noise; "
         "vs off 95 % CI: the t interval of those ratios (on their logs), the range that noise leaves the "
         "ratio in.\n\n"
     )
     data = {"config": vars(args), "rows": rows}
     figure = f"\n\n![sweep]({args.name}.png)"
-    stem = report.write(args.name, data, intro + report.markdown_table(columns, table) + figure)
+    kinds_md = (
+        f"\n\nAt c = {min(args.concurrency)}, by prompt kind (tokens over seconds of its requests):\n\n{per_kind}"
+    )
+    stem = report.write(args.name, data, intro + report.markdown_table(columns, table) + kinds_md + figure)
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen-1.5b")
-    parser.add_argument("--draft", default="qwen-0.5b")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each worker")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument(
-        "--modes", nargs="+", default=["draft", "lookup"], choices=list(DRAFTERS), help="applications to deploy"
-    )
+    parser.add_argument("--modes", nargs="+", default=["draft"], choices=list(DRAFTERS), help="applications to deploy")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument(  # a client's first request is its cold start, outside the steady window
         "--requests-per-client", type=int, default=3, help="requests each client sends per level and pass"
     )
@@ -401,8 +424,9 @@ def main() -> None:
         earlier = json.loads(Path(args.render).read_text())
         write(argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"])
         return
-    for model in (args.target, args.draft):
-        if model in REGISTRY:
+    shipped = app_config(args, "draft")
+    for model in (shipped.target_model, shipped.draft_model):
+        if model is not None and model in REGISTRY:
             fetch(model)
     cpus = 3 * len(args.modes)  # logical: a draft replica, a target shard and a router per mode
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})

@@ -1,15 +1,16 @@
 """Round-ahead drafting at one stream, on the shipped `deploy/local.yaml` unchanged (but for the port).
 
-One run deploys the application twice through Serve's HTTP proxy and streams each code prompt,
-one request at a time (c = 1), with the official `openai` client, as a user would:
-- round-ahead (the YAML as shipped): with speculation, then with `max_draft_tokens: 0` (plain
-  decoding on the same deployment);
-- sequential (the YAML with `router.round_ahead: false`): with speculation.
+One run deploys the application twice side by side behind Serve's HTTP proxy and streams each
+code prompt, one request at a time (c = 1), with the official `openai` client, as a user would,
+the modes in turn per prompt (order reversed each pass):
+- round-ahead (the YAML as shipped): with speculation;
+- sequential (the YAML with `router.round_ahead: false`): with speculation;
+- plain: `max_draft_tokens: 0` on the round-ahead deployment (plain decoding, same processes).
 It reports tokens/s, TTFT and acceptance length per prompt, the ratios round-ahead / sequential and
 speculation / plain, and the router's round-ahead figures (pre-draft hit rate, the share of draft
 time hidden behind verification, draft tokens never verified).
 
-    python -m bench.round_ahead                  # ~6 minutes on 2 CPU cores
+    python -m bench.round_ahead                  # ~10 minutes on 2 CPU cores
     python -m bench.round_ahead --max-tokens 32  # shorter
 """
 
@@ -32,106 +33,105 @@ PROMPTS = {
 }
 
 
-def deployed_run(args: dict[str, Any], port: int, max_tokens: int, modes: list[str]) -> dict[str, list[Streamed]]:
-    """Deploy `args`, stream every prompt in each of `modes` ("spec", "plain"), interleaved per prompt."""
-    from ray import serve
+MODES = {"round-ahead": ("ahead", True), "sequential": ("sequential", True), "plain": ("ahead", False)}
 
-    url = deploy_local(args, port)
-    model = args.get("front_door", {}).get("served_model_name", args["target_model"])
-    try:
-        stream_chat(url, model, PROMPTS["code"], 8, speculate=True, show=False)  # warm-up
-        out: dict[str, list[Streamed]] = {m: [] for m in modes}
-        for prompt in PROMPTS.values():
-            for mode in modes:
-                out[mode].append(stream_chat(url, model, prompt, max_tokens, speculate=mode == "spec", show=False))
-                print(f"  {mode:>5}: {out[mode][-1].rate:.2f} tok/s", flush=True)
-        handle = serve.get_app_handle("specserve")
-        out["stats"] = [handle.stats.remote().result()]  # type: ignore[list-item]
-        return out
-    finally:
-        serve.delete("specserve")
+
+def measure(urls: dict[str, str], model: str, max_tokens: int, repeats: int) -> dict[str, list[list[Streamed]]]:
+    """Per mode, per prompt, each pass's stream: the modes in turn for every prompt, their order reversed
+    each pass, so the machine's drift between minutes hits them alike."""
+    out: dict[str, list[list[Streamed]]] = {m: [[] for _ in PROMPTS] for m in MODES}
+    for app in ("ahead", "sequential"):  # warm-up: first forwards, kernel choice, connections
+        stream_chat(urls[app], model, PROMPTS["code"], 8, speculate=True, show=False)
+    for rep in range(repeats):
+        for i, prompt in enumerate(PROMPTS.values()):
+            for mode in list(MODES) if rep % 2 == 0 else list(MODES)[::-1]:
+                app, speculate = MODES[mode]
+                out[mode][i].append(stream_chat(urls[app], model, prompt, max_tokens, speculate, show=False))
+                print(
+                    f"  pass {rep + 1} {list(PROMPTS)[i]:>9} {mode:>11}: {out[mode][i][-1].rate:.2f} tok/s", flush=True
+                )
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--name", default="round_ahead")
     args = parser.parse_args()
     _, shipped = app_block(Path(args.config))
     sequential = copy.deepcopy(shipped)
     sequential.setdefault("router_pool", {}).setdefault("router", {})["round_ahead"] = False
+    model = shipped.get("front_door", {}).get("served_model_name", shipped["target_model"])
     import ray
     from ray import serve
 
-    start_local_ray(shipped)
+    start_local_ray(shipped, apps=2)
     try:
-        print("round-ahead (the YAML as shipped)", flush=True)
-        ahead = deployed_run(shipped, args.port, args.max_tokens, ["spec", "plain"])
-        print("sequential (router.round_ahead: false)", flush=True)
-        seq = deployed_run(sequential, args.port, args.max_tokens, ["spec"])
+        urls = {
+            name: deploy_local(a, args.port, name=name) for name, a in (("ahead", shipped), ("sequential", sequential))
+        }
+        runs = measure(urls, model, args.max_tokens, args.repeats)
+        stats = serve.get_app_handle("ahead").stats.remote().result()
     finally:
         serve.shutdown()
         ray.shutdown()
-    write(args, ahead, seq)
+    write(args, runs, stats)
 
 
-def _row(name: str, prompt: str, s: Streamed, plain: Streamed, seq: Streamed | None) -> list[Any]:
-    return [
-        name,
-        prompt,
-        s.rate,
-        s.rate / plain.rate,
-        s.rate / seq.rate if seq is not None else float("nan"),
-        s.acceptance_length,
-        s.first_token_s,
-        s.first_token_s / plain.first_token_s,
-    ]
+def _rate(runs: list[Streamed]) -> float:
+    return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
 
 
-def write(args: argparse.Namespace, ahead: dict[str, Any], seq: dict[str, Any]) -> None:
-    names = list(PROMPTS)
+def write(args: argparse.Namespace, runs: dict[str, list[list[Streamed]]], stats: dict[str, Any]) -> None:
     rows = []
-    for i, prompt in enumerate(names):
-        plain = ahead["plain"][i]
-        rows.append(_row("round-ahead", prompt, ahead["spec"][i], plain, seq["spec"][i]))
-        rows.append(_row("sequential", prompt, seq["spec"][i], plain, None))
-        rows.append(_row("plain", prompt, plain, plain, None))
+    for i, prompt in enumerate(PROMPTS):
+        plain, seq = _rate(runs["plain"][i]), _rate(runs["sequential"][i])
+        for mode in MODES:
+            mine = runs[mode][i]
+            rate = _rate(mine)
+            first = statistics.median(r.first_token_s for r in mine)
+            plain_first = statistics.median(r.first_token_s for r in runs["plain"][i])
+            length = statistics.fmean(r.acceptance_length for r in mine) if mode != "plain" else 1.0
+            rows.append([mode, prompt, rate, rate / plain, rate / seq, length, first, first / plain_first])
 
-    def total_rate(runs: list[Streamed]) -> float:
-        return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+    def total(mode: str) -> float:
+        return _rate([r for per_prompt in runs[mode] for r in per_prompt])
 
-    ttft = {
-        m: statistics.median(r.first_token_s for r in runs)
-        for m, runs in (("on", ahead["spec"]), ("off", ahead["plain"]))
-    }
-    stats = ahead["stats"][0]
+    def ttft(mode: str) -> float:
+        return statistics.median(r.first_token_s for per_prompt in runs[mode] for r in per_prompt)
+
     summary = {
-        "round_ahead_vs_sequential": total_rate(ahead["spec"]) / total_rate(seq["spec"]),
-        "speculation_vs_plain": total_rate(ahead["spec"]) / total_rate(ahead["plain"]),
-        "sequential_vs_plain": total_rate(seq["spec"]) / total_rate(ahead["plain"]),
-        "ttft_p50_on_s": ttft["on"],
-        "ttft_p50_off_s": ttft["off"],
-        "ttft_p50_on_vs_off": ttft["on"] / ttft["off"],
+        "round_ahead_vs_sequential": total("round-ahead") / total("sequential"),
+        "speculation_vs_plain": total("round-ahead") / total("plain"),
+        "sequential_vs_plain": total("sequential") / total("plain"),
+        "ttft_p50_on_s": ttft("round-ahead"),
+        "ttft_p50_off_s": ttft("plain"),
+        "ttft_p50_on_vs_off": ttft("round-ahead") / ttft("plain"),
         "predraft_hit_rate": stats.get("predraft_hit_rate", 0.0),
         "draft_hidden_share": stats.get("draft_hidden_share", 0.0),
         "draft_tokens_unverified": stats.get("draft_tokens_unverified", 0),
         "predraft_sequences": stats.get("predraft_sequences", 0),
     }
-    columns = ["mode", "prompt", "tok/s", "vs plain", "vs sequential", "L", "TTFT s", "TTFT vs plain"]
+    columns = ["mode", "prompt", "tok/s", "vs plain", "vs sequential", "L", "TTFT p50 s", "TTFT vs plain"]
     intro = (
-        f"`{Path(args.config).name}` unchanged (the port aside): Qwen2.5-Coder 1.5B target, 0.5B draft, draft and "
-        "target each on their own core (1 CPU, 1 torch thread). Each prompt streamed alone (c = 1), "
-        f"{args.max_tokens} new tokens, greedy, with the `openai` client over HTTP. round-ahead: the YAML as "
-        "shipped; sequential: `router.round_ahead: false`; plain: `max_draft_tokens: 0` on the round-ahead "
-        "deployment. L: acceptance length (tokens per target forward).\n\n"
+        f"`{Path(args.config).name}` unchanged (the port and route aside): Qwen2.5-Coder 1.5B target, 0.5B draft, "
+        "draft and target each on their own core (1 CPU, 1 torch thread). Each prompt streamed alone (c = 1), "
+        f"{args.max_tokens} new tokens, greedy, with the `openai` client over HTTP, {args.repeats} passes (modes in "
+        "turn per prompt, their order reversed each pass). round-ahead: the YAML as shipped; sequential: the "
+        "same YAML with `router.round_ahead: false`, deployed beside it; plain: `max_draft_tokens: 0` on the "
+        "round-ahead deployment. L: acceptance length (tokens per target forward). Round-ahead figures: the "
+        "router's stats of the round-ahead deployment over the whole run.\n\n"
         "| summary (all prompts' tokens over their seconds) | value |\n|---|---|\n"
         + "\n".join(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items())
         + "\n\n"
     )
     data = {"config": vars(args), "summary": summary, "rows": [dict(zip(columns, r, strict=True)) for r in rows]}
-    stem = report.write(args.name, data, intro + report.markdown_table(columns, rows))
+    stem = report.write(
+        args.name, data, intro + report.markdown_table(columns, rows) + f"\n\n![rates]({args.name}.png)"
+    )
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 

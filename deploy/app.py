@@ -50,7 +50,7 @@ def build_app(config: AppConfig) -> Application:
             request_router_config=_AFFINITY,
             logging_config=_QUIET,
             **pool.autoscaling.serve_options(),
-        )(DraftWorker).bind(draft_cfg, resolver)
+        )(DraftWorker).bind(draft_cfg, resolver, own_process=True)
     target_pool = config.target_pool
     target = serve.deployment(
         name="target",

@@ -113,6 +113,9 @@ class DraftPoolConfig(BaseModel):
         default=None, description="Only nodes with this accelerator (Ray's name, e.g. L4, A10G) take draft replicas."
     )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
+    nice: int = Field(
+        default=10, ge=0, le=19, description="Niceness of each draft replica's process (DraftWorkerConfig.nice)."
+    )
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this idle."
     )
@@ -214,6 +217,7 @@ class AppConfig(BaseModel):
             target_model=self.target_model,
             drafter=self.drafter,
             idle_evict_s=self.draft_pool.idle_evict_s,
+            nice=self.draft_pool.nice,
         )
 
     def target(self) -> TargetConfig:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ def app_block(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return data.get("grpc_options", {}), data["applications"][0]["args"]
 
 
-def wait_ready(url: str, timeout_s: float) -> None:
+def wait_ready(url: str, timeout_s: float, failed: Callable[[], BaseException | None] = lambda: None) -> None:
+    """Until `url`/health answers 200; raises as soon as `failed()` (the deployment's error) is not None."""
     start = time.monotonic()
     while True:
         elapsed = time.monotonic() - start
@@ -49,6 +51,8 @@ def wait_ready(url: str, timeout_s: float) -> None:
             pass
         if elapsed > timeout_s:
             raise TimeoutError(f"the application was not ready after {timeout_s:.0f} s")
+        if (error := failed()) is not None:
+            raise RuntimeError(f"the deployment failed after {elapsed:.0f} s (logs: the folder above)") from error
         print(f"\rloading models... {elapsed:.0f} s", end="", file=sys.stderr, flush=True)
         time.sleep(1.0)
 
@@ -161,13 +165,14 @@ def _session_logs() -> str:
         return "/tmp/ray/session_latest/logs"
 
 
-def start_local_ray(args: dict[str, Any]) -> None:
-    """Ray embedded in this process, with CPUs for the config's replicas; its log lines go to its folder."""
+def start_local_ray(args: dict[str, Any], apps: int = 1) -> None:
+    """Ray embedded in this process, with CPUs for `apps` applications of the config's replicas; its log
+    lines go to its folder."""
     import ray
 
     ray.init(
         address="local",
-        num_cpus=_logical_cpus(args),
+        num_cpus=max(os.cpu_count() or 1, apps * _logical_cpus(args)),
         include_dashboard=False,
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
         log_to_driver=False,  # the replicas' lines stay in Ray's session folder (printed below)
@@ -177,21 +182,30 @@ def start_local_ray(args: dict[str, Any]) -> None:
     print(f"Ray and Serve log to {_session_logs()}", file=sys.stderr)
 
 
-def deploy_local(args: dict[str, Any], port: int, grpc_options: dict[str, Any] | None = None) -> str:
-    """Serve on this machine's Ray, the application of `args` deployed as "specserve" at /; its base URL once
-    every replica has loaded (progress shown meanwhile)."""
+def deploy_local(
+    args: dict[str, Any], port: int, grpc_options: dict[str, Any] | None = None, name: str = "specserve"
+) -> str:
+    """Serve on this machine's Ray, the application of `args` deployed as `name` (at / for the default name,
+    else at /<name>); its base URL once every replica has loaded (progress shown meanwhile)."""
     from ray import serve
 
     from deploy.app import app_builder
 
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options or None)
     # serve.run returns once every replica has loaded its model: run it aside, show progress here.
-    deploying = threading.Thread(
-        target=serve.run, args=(app_builder(args),), kwargs={"name": "specserve", "route_prefix": "/"}
-    )
+    errors: list[BaseException] = []
+    prefix = "/" if name == "specserve" else f"/{name}"
+
+    def run() -> None:
+        try:
+            serve.run(app_builder(args), name=name, route_prefix=prefix)
+        except BaseException as e:  # shown by wait_ready, in the caller's thread
+            errors.append(e)
+
+    deploying = threading.Thread(target=run, daemon=True)
     deploying.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, timeout_s=1800)
+    url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+    wait_ready(url, timeout_s=1800, failed=lambda: errors[0] if errors else None)
     deploying.join()
     return url
 

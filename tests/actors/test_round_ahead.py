@@ -91,3 +91,19 @@ def test_a_slow_catch_up_is_not_taken_for_a_lost_draft_replica(tiny_pair: TinyPa
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 16}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 16)
     assert result["usage"]["drafted"] > 0, "the draft call was not timed out"
+
+
+def test_a_draft_replica_yields_the_cpu_to_the_target(tiny_pair: TinyPair) -> None:
+    """A draft replica in its own process lowers its priority by `nice` (drafts are optional work); a
+    worker sharing a process (tests, in-process use) leaves the process alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; from actors.config import DraftWorkerConfig, ModelConfig; from actors.draft_worker import "
+        f"DraftWorker; c = DraftWorkerConfig(model=ModelConfig(path={tiny_pair.draft!r}, dtype='float32'), "
+        f"target_model={tiny_pair.target!r}, nice=7); before = os.nice(0); DraftWorker(c); shared = os.nice(0); "
+        "DraftWorker(c, own_process=True); print(shared - before, os.nice(0) - before)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["0", "7"]
