@@ -84,6 +84,15 @@ class TargetConfig(BaseModel):
         le=86_400,
         description="Drop a lane group's KV cache after this long unused (a router died).",
     )
+    prefill_chunk_tokens: int | None = Field(
+        default=256,
+        ge=1,
+        le=1_048_576,
+        description="Most prompt (catch-up) tokens one verify forward carries, over all its sequences: a long "
+        "prompt is prefilled over several rounds, interleaved with the other sequences' verification, and no "
+        "forward holds attention over more new tokens than this. Smaller keeps other streams' gaps shorter "
+        "during a long prefill (on a CPU a forward's cost grows with its tokens); None: no limit.",
+    )
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs each shard actor reserves.")
     shard_num_gpus: float = Field(
         default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."

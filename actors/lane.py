@@ -316,7 +316,9 @@ class Lane:
         if not (seq.params.greedy or not config.drafts_sampled):
             return 0
         tree = live.proposal.tree if live.proposal is not None else None
-        if not seq.stats.steps:
+        if not seq.stats.steps:  # prefill: once (a long prompt's later chunk rounds find the draft caught up)
+            if live.draft_seen >= len(seq.tokens):
+                return 0
             depth = min(seq.depth.next_depth(), self.depth_cap(group_size))
         elif group_size == 1 and tree is not None and tree.size:
             costs = self.ctx.costs if config.limits.load_adaptive else None
@@ -379,9 +381,9 @@ class Lane:
             return None
         group, hits, unverified = self.groups[pre.group], 0, 0
         for live, path, wire in zip(pre.lives, pre.paths, drafted.proposals, strict=True):
-            verdict = committed.get(live.seq.seq_id)
-            alive = verdict is not None and live.seq.seq_id in group and live.seq.finish_reason is None
-            taken = take_ahead(wire.decode(), path, verdict) if alive and verdict is not None else None
+            verdict = committed.get(live.seq.seq_id)  # () while still prefilling
+            alive = bool(verdict) and live.seq.seq_id in group and live.seq.finish_reason is None
+            taken = take_ahead(wire.decode(), path, verdict) if alive and verdict else None
             unverified += wire.tree.size - (taken.tree.size if taken is not None else 0)
             if taken is not None:
                 live.proposal, hits = WireProposal.encode(taken), hits + 1
@@ -409,10 +411,14 @@ class Lane:
         self.target_waiting = verified.waiting
         trees = [item.proposal.tree for item in items]
         accepted = [len(v.accepted) for v in verified.verdicts]
-        self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds, accepted)
-        self.ctx.costs.observe_round(self.predicted[g], sum(len(v.tokens) for v in verified.verdicts))
+        if all(v.tokens for v in verified.verdicts):  # a chunk of a long prefill in it: not a priced round
+            self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds, accepted)
+            self.ctx.costs.observe_round(self.predicted[g], sum(len(v.tokens) for v in verified.verdicts))
         committed = 0
         for live, verdict in zip(lives, verified.verdicts, strict=True):
+            if not verdict.tokens:  # still prefilling (chunked prefill): sent again next round
+                live.proposal = None
+                continue
             committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))
         half = _Half(verified.work, len(lives), committed, verified.replica)
         if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token

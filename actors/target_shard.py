@@ -56,7 +56,8 @@ class TargetShard:
         eos = eos_ids_of(model)
         model = tp.shard(model, world)
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
-        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model)), float("inf"))
+        chunk = self.config.prefill_chunk_tokens
+        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model), chunk), float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
         self._info = TargetInfo(vocab, eos, self.config.model.path)
         return self._info

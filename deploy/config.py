@@ -142,6 +142,9 @@ class TargetPoolConfig(BaseModel):
     )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
     idle_evict_s: float = Field(default=120.0, gt=0, le=86_400, description="Drop a lane group's KV after this idle.")
+    prefill_chunk_tokens: int | None = Field(
+        default=256, ge=1, le=1_048_576, description="Most prompt tokens per verify forward (TargetConfig's)."
+    )
     health_check_period_s: float = Field(
         default=2.0,
         gt=0,
@@ -229,6 +232,7 @@ class AppConfig(BaseModel):
             idle_evict_s=pool.idle_evict_s,
             shard_num_cpus=pool.shard_num_cpus,
             shard_num_gpus=pool.shard_num_gpus,
+            prefill_chunk_tokens=pool.prefill_chunk_tokens,
         )
 
     def router(self) -> RouterConfig:

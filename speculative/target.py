@@ -4,6 +4,14 @@ The cache holds every committed token but the last (the tree's root). A sequence
 not seen, or whose cache disagrees with the tokens it is sent (a restart, a rollback, a replica
 change), is re-prefilled in the same forward: its missing tokens go in as a chain with the tree
 hung after them. A miss costs time, never correctness.
+
+Chunked prefill: one forward carries at most `prefill_chunk` catch-up tokens over all its rows
+(rows in call order). A row whose catch-up does not fit gets what is left of the budget as a plain
+chain, committed, and an empty verdict (no tokens: still prefilling); the caller sends it again
+with the next round. So a long prompt is prefilled over several rounds, interleaved with the other
+rows' verification, and no forward holds attention scores or masks over more than a chunk of new
+tokens. Example, budget 4: rows with catch-ups 0, 6, 3 get 0 + tree, 4 (empty verdict), 0 (empty
+verdict); next call: 0 + tree, 2 + tree, 2 (empty verdict); then 0 + tree, 0 + tree, 1 + tree.
 """
 
 from __future__ import annotations
@@ -31,8 +39,12 @@ class VerifyItem:
 class TargetVerifier:
     """Verification of many sequences' trees against one target model."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, prefill_chunk: int | None = None) -> None:
+        """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.runner = runner
+        self.prefill_chunk = prefill_chunk
 
     @property
     def vocab_size(self) -> int:
@@ -53,15 +65,24 @@ class TargetVerifier:
         parents: list[list[int]] = [[] for _ in self.runner.rows]
         logits_at: list[list[int]] = [[] for _ in self.runner.rows]
         offsets = []
+        budget = self.prefill_chunk if self.prefill_chunk is not None else sum(len(m) for m in missing)
+        prefilling: dict[int, int] = {}  # row -> catch-up tokens it gets this forward (no tree: still prefilling)
         for item, row, miss in zip(items, rows, missing, strict=True):
             off = len(miss) - 1  # catch-up tokens before the root
+            if off > budget:
+                prefilling[row], budget = budget, 0
+                tokens[row], parents[row] = miss[: prefilling[row]], chain_parents(prefilling[row])
+                offsets.append(0)
+                continue
+            budget -= off
             tree = item.proposal.tree
             tokens[row] = miss[:-1] + list(tree.all_tokens)
             parents[row] = chain_parents(off) + [p + off if p >= 0 else off - 1 for p in tree.runner_parents()]
             logits_at[row] = list(range(off, off + tree.size + 1))
             offsets.append(off)
         logits = self.runner.forward_packed(tokens, parents, logits_at)  # [P, V], model's device
-        assert logits is not None
+        if logits is None:  # every row still prefilling
+            logits = torch.empty(0, self.vocab_size)
         starts = row_offsets([len(a) for a in logits_at])  # each runner row's first logits row
         # Greedy rows without penalties need only each node's argmax: taken where the logits are, so
         # only [P] ids cross to the CPU; the others get float32 distributions there.
@@ -69,7 +90,7 @@ class TargetVerifier:
         best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [P]
         sizes = {row: item.proposal.tree.size + 1 for item, row in zip(items, rows, strict=True)}  # root included
         spans = {row: slice(starts[row], starts[row] + n) for row, n in sizes.items()}
-        full = [row for row, a in zip(rows, argmax_only, strict=True) if not a]
+        full = [row for row, a in zip(rows, argmax_only, strict=True) if not a and row not in prefilling]
         host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU, in one transfer
         if full:
             index = torch.cat([torch.arange(starts[r], starts[r] + sizes[r]) for r in full]).to(logits.device)
@@ -78,6 +99,10 @@ class TargetVerifier:
         verdicts: list[Verdict] = []
         keep: list[list[int]] = [[] for _ in self.runner.rows]
         for item, row, off, a in zip(items, rows, offsets, argmax_only, strict=True):
+            if row in prefilling:
+                verdicts.append(Verdict((), ()))
+                keep[row] = list(range(prefilling[row]))
+                continue
             if a:
                 assert best is not None
                 verdict = follow_choices(item.proposal.tree, best[spans[row]].tolist())

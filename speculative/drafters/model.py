@@ -41,7 +41,10 @@ class DraftModelDrafter:
         tree_width: int = 1,
         tree_nodes: int = 64,
         sampled: bool = True,
+        catch_up_chunk: int = 512,
     ) -> None:
+        """`catch_up_chunk`: most tokens a row catches up on per forward (a long prompt takes several, so
+        no forward holds attention over more than that many new tokens)."""
         if tree_width < 1 or tree_nodes < 1:
             raise ValueError("tree_width and tree_nodes must be >= 1")
         self.runner = runner
@@ -50,6 +53,7 @@ class DraftModelDrafter:
         self.width = tree_width  # children per expanded node, and nodes expanded per depth
         self.max_nodes = tree_nodes  # most draft nodes in one tree
         self.sampled = sampled  # under sampling: children drawn from q (rejection rule), not top-k
+        self.catch_up_chunk = catch_up_chunk
 
     def release(self, seq_ids: list[str]) -> None:
         known = [s for s in seq_ids if s in self.runner.rows]
@@ -67,7 +71,7 @@ class DraftModelDrafter:
         if new:
             self.runner.add_rows(new)
         rows = [self.runner.row(r.seq_id) for r in active]
-        missing = self.runner.sync(rows, [list(r.tokens) for r in active])
+        missing = self._catch_up(rows, self.runner.sync(rows, [list(r.tokens) for r in active]))
         trees = [[_Node(r.tokens[-1], -1, 0, 0.0, column=len(m) - 1)] for r, m in zip(active, missing, strict=True)]
         # The first forward catches up; the root's next-token logits are at its last column.
         tokens: list[list[int]] = [[] for _ in self.runner.rows]
@@ -87,6 +91,17 @@ class DraftModelDrafter:
         proposals = {r.seq_id: self._proposal(r, t) for r, t in zip(active, trees, strict=True)}
         self._keep_likely_path(rows, trees)
         return [proposals.get(r.seq_id) or empty_proposal(r) for r in requests]
+
+    def _catch_up(self, rows: list[int], missing: list[list[int]]) -> list[list[int]]:
+        """Commit chunks of long catch-ups ahead of the drafting forwards; what each row still misses."""
+        size = self.catch_up_chunk
+        while any(len(m) - 1 > size for m in missing):
+            chunk: list[list[int]] = [[] for _ in self.runner.rows]
+            for row, m in zip(rows, missing, strict=True):
+                chunk[row] = m[:size] if len(m) - 1 > size else []
+            self.runner.extend(chunk)
+            missing = [m[len(chunk[row]) :] for row, m in zip(rows, missing, strict=True)]
+        return missing
 
     def _expand(self, req: DraftRequest, nodes: list[_Node], idx: int, logits: torch.Tensor, depth: int) -> None:
         """Add the children of node `idx`; logits: [V_draft] next-token logits at that node."""

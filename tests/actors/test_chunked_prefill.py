@@ -1,0 +1,98 @@
+"""Chunked prefill: a long prompt is prefilled over several rounds while other streams keep emitting.
+
+The router, draft worker and target replica in one process (tiny fp32 models): every forward of the
+target carries at most `prefill_chunk_tokens` prompt tokens, the short streams commit tokens in every
+round of the long prefill, and every output is the target's own greedy continuation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
+from actors.draft_worker import DraftWorker
+from actors.pools import LocalPool
+from actors.router import Router
+from actors.target_replica import LocalShards, TargetReplica
+from actors.target_shard import TargetShard
+from speculative.drafters.base import Proposal
+from speculative.runner import ModelRunner
+from speculative.sampling import SamplingParams
+from speculative.target import TargetVerifier, VerifyItem
+from speculative.tree import TokenTree
+from tests.actors.conftest import VOCAB, TinyPair, _cached_model, hf_greedy, prompts_and_lengths
+
+CHUNK = 16
+
+
+def test_a_forward_carries_at_most_the_chunk_budget_over_all_rows(tiny_pair: TinyPair) -> None:
+    """The docstring's example, budget 4: catch-ups 0, 6, 3 take three calls, rows in call order."""
+    verifier = TargetVerifier(ModelRunner(_cached_model(tiny_pair.target)), prefill_chunk=4)
+    greedy = SamplingParams(temperature=0.0)
+    prompts = {"a": [5], "b": [7, 8, 9, 10, 11, 12, 13], "c": [20, 21, 22, 23]}
+    (first,) = verifier.verify([VerifyItem("a", (5,), greedy, Proposal(TokenTree.chain(5, [])))])
+    tokens = {k: list(v) for k, v in prompts.items()}
+    tokens["a"] += first.tokens  # "a" is decoding: its cache holds all but its root
+    pending = []
+    for _ in range(3):
+        items = [VerifyItem(k, tuple(t), greedy, Proposal(TokenTree.chain(t[-1], []))) for k, t in tokens.items()]
+        verdicts = verifier.verify(items)
+        pending.append([not v.tokens for v in verdicts])
+        for t, v in zip(tokens.values(), verdicts, strict=True):
+            t += v.tokens
+    assert pending == [[False, True, True], [False, False, True], [False, False, False]]
+    for k, prompt in prompts.items():  # the prefilled rows continue exactly as the target alone
+        assert tokens[k][len(prompt) :] == hf_greedy(tiny_pair.target, prompt, len(tokens[k]) - len(prompt))
+
+
+def test_a_long_prompt_is_prefilled_between_the_rounds_of_four_streams(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target_cfg = TargetConfig(model=ModelConfig(path=tiny_pair.target, dtype="float32"), prefill_chunk_tokens=CHUNK)
+    target = TargetReplica(target_cfg, shards=LocalShards([TargetShard(target_cfg, 0)]))
+    draft_cfg = DraftWorkerConfig(
+        model=ModelConfig(path=tiny_pair.draft, dtype="float32"), target_model=tiny_pair.target
+    )
+    config = RouterConfig(pipelining=False, limits={"load_adaptive": False})
+    router = Router(config, LocalPool([DraftWorker(draft_cfg)]), LocalPool([target]))  # type: ignore[arg-type]
+    sizes: list[int] = []  # new tokens of every target forward
+    forward = ModelRunner.forward_packed
+
+    def counted(self: ModelRunner, tokens: list[list[int]], *args: Any) -> Any:
+        if self.model.config._name_or_path == tiny_pair.target:
+            sizes.append(sum(len(t) for t in tokens))
+        return forward(self, tokens, *args)
+
+    monkeypatch.setattr(ModelRunner, "forward_packed", counted)
+    gen = torch.Generator().manual_seed(3)
+    long_prompt = torch.randint(3, VOCAB, (12 * CHUNK,), generator=gen).tolist()
+    short = [p for p, _ in prompts_and_lengths(4, seed=8)]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+
+    async def scenario() -> tuple[list[list[int]], dict, list[int]]:
+        streams = [router.generate_stream(p, greedy | {"max_tokens": 240}) for p in short]
+        outs = [list((await s.__anext__())["token_ids"]) for s in streams]  # the four are decoding
+        during = [0] * len(streams)  # chunks each got while the long prompt was being prefilled
+        long_task = asyncio.ensure_future(router.generate(long_prompt, greedy | {"max_tokens": 8}))
+
+        async def drain(i: int) -> None:
+            async for chunk in streams[i]:
+                outs[i] += chunk["token_ids"]
+                during[i] += not long_task.done()
+
+        await asyncio.gather(*[drain(i) for i in range(len(streams))])
+        return outs, await long_task, during
+
+    outs, long_out, during = asyncio.run(scenario())
+    for prompt, out in zip(short, outs, strict=True):
+        assert out == hf_greedy(tiny_pair.target, prompt, 240)
+    assert long_out["token_ids"] == hf_greedy(tiny_pair.target, long_prompt, 8)
+    rounds = len(long_prompt) // CHUNK
+    assert min(during) >= rounds - 1, f"each stream gets tokens in every round of the long prefill: {during}"
+    # A forward holds at most a chunk of prompt plus the five sequences' trees (root + 4 drafts each),
+    # whatever the prompt's length (here 12 chunks).
+    assert max(sizes) <= CHUNK + 5 * (1 + 4), sizes
