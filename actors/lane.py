@@ -360,6 +360,11 @@ class Lane:
         task = asyncio.get_running_loop().create_task(asyncio.wait_for(call, self._deadline(work)))
         return _Ahead(g, task, [x for x, _ in picked], paths, released)
 
+    def _drop(self, pre: _Ahead) -> None:
+        """Leave a pre-draft to finish unused; the pool is not called until it has answered."""
+        self._late = pre.task
+        pre.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+
     async def _settle_ahead(
         self, pre: _Ahead, verify_s: float, committed: dict[str, tuple[int, ...]]
     ) -> _Settled | None:
@@ -369,8 +374,7 @@ class Lane:
         finish, its drafts dropped (the pool is not called again until it answers)."""
         done, _ = await asyncio.wait({pre.task}, timeout=verify_s)
         if not done:
-            self._late = pre.task
-            pre.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+            self._drop(pre)
             self.ctx.metrics.ahead(len(pre.lives), 0, "late")
             return None
         try:
@@ -405,8 +409,7 @@ class Lane:
         if verified is None:
             self._fail(g, "target pool unavailable")
             if pre is not None:  # its drafts are for sequences that just failed
-                self._late = pre.task
-                pre.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                self._drop(pre)
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
         trees = [item.proposal.tree for item in items]

@@ -9,8 +9,6 @@ reference is HF `generate(do_sample=False)` on the same chat-templated prompt id
 
 from __future__ import annotations
 
-import os
-
 import openai
 import pytest
 import torch
@@ -18,8 +16,8 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.models import is_complete, model_dir
 from tests.actors.serve_helpers import deploy_yaml, free_port, local_ray, run_app
+from tests.fetched import fetched_dir
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -30,12 +28,7 @@ MAX_NEW = 24
 
 
 def _models() -> tuple[str, str]:
-    folders = model_dir("qwen-1.5b"), model_dir("qwen-0.5b")
-    if not all(is_complete(f) for f in folders):
-        if os.environ.get("CI"):
-            pytest.fail("the Qwen pair is not fetched: `make models` must run before the tests in CI")
-        pytest.skip("the Qwen pair is not fetched; run `make models`")
-    return str(folders[0]), str(folders[1])
+    return str(fetched_dir("qwen-1.5b")), str(fetched_dir("qwen-0.5b"))
 
 
 def _references(target: str) -> list[list[int]]:

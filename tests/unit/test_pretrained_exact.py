@@ -5,18 +5,16 @@ fp32, against each target's own `generate(do_sample=False)`. `make test` fetches
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from deploy.models import is_complete, model_dir
 from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.loading import LoadedModel, load_model, truncated_copy
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
+from tests.fetched import fetched_dir
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +31,7 @@ DRAFTERS = {
 
 
 def fetched(name: str) -> LoadedModel:
-    folder = model_dir(name)
-    if not is_complete(folder):
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not fetched: `make models` must run before the tests in CI")
-        pytest.skip(f"{name} not fetched; run `make models`")
-    return load_model(str(folder), "float32")
+    return load_model(str(fetched_dir(name)), "float32")
 
 
 def chat_ids(model: LoadedModel, text: str) -> list[int]:

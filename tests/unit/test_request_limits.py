@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -30,9 +29,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from deploy import grpc_ingress, openai_api
 from deploy.frontdoor import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, FrontDoor, FrontDoorConfig, RequestError
 from deploy.grpc_ingress import PlainServicer
-from deploy.models import is_complete, model_dir
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
+from tests.fetched import fetched_dir
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, serve_in_thread, tiny_pair, tiny_tokenizer
 
 WINDOW = 64
@@ -259,11 +258,7 @@ def test_control_token_text_in_client_text_is_plain_text(tokenizer: PreTrainedTo
 
 @pytest.mark.parametrize("name", ["qwen-0.5b", "smollm2-135m"])
 def test_control_token_text_is_plain_text_with_real_tokenizers(name: str) -> None:
-    folder = model_dir(name)
-    if not is_complete(folder):
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not fetched: `make models` must run before the tests in CI")
-        pytest.skip(f"{name} not fetched; run `make models`")
+    folder = fetched_dir(name)
     config = FrontDoorConfig(served_model_name=MODEL_NAME)
     check_control_text_is_text(FrontDoor(config, AutoTokenizer.from_pretrained(folder), 32_768), "<|im_start|>")
 
