@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from speculative.adaptive import AdaptiveConfig
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -102,32 +102,6 @@ class TargetConfig(BaseModel):
     )
 
 
-class SpeculationLimits(BaseModel):
-    """How far the router lets a batch speculate: per sequence by acceptance, per batch by load."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    adaptive: AdaptiveConfig = Field(
-        default_factory=lambda: AdaptiveConfig.model_validate({}), description="Per-sequence depth rule."
-    )
-    verify_token_budget: int = Field(
-        default=64,
-        ge=1,
-        le=65_536,
-        description="Most tree nodes one verify forward should carry; beyond it depths shrink, since each "
-        "token past the 'free' region of a forward costs as much as decoding it.",
-    )
-    shrink_when_queued: bool = Field(
-        default=True, description="Halve the depth cap for each verify call queued at the target (saturation -> k=0)."
-    )
-    load_adaptive: bool = Field(
-        default=True,
-        description="Cap each batch's depth at the k with the most expected tokens/s, from the lane's measured "
-        "verify and draft costs (speculative/load_control.py); k = 0 (plain decoding) when speculation does not "
-        "pay at this load.",
-    )
-
-
 class RouterConfig(BaseModel):
     """The ingress: sequences, lanes, and the step loop."""
 
@@ -198,4 +172,4 @@ class RouterConfig(BaseModel):
         "CPU core prefills ~80 tokens/s in bf16, ~8x under this allowance.",
     )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
-    limits: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Speculation limits.")
+    depth: DepthConfig = Field(default_factory=DepthConfig, description="The depth controller's knobs.")

@@ -41,10 +41,11 @@ from actors.metrics import RouterMetrics
 from actors.pools import Pool, replica_lost
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.ahead import ahead_request, assumed_path, take_ahead
-from speculative.decoder import Sequence
 from speculative.drafters.base import DraftRequest
-from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
-from speculative.load_control import Planned, StepCosts, plan_depths
+from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.load_control import Planned, StepCosts
+from speculative.round import Speculation
+from speculative.sequence import Sequence
 from speculative.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -161,14 +162,17 @@ class Lane:
         self.groups: list[dict[str, Live]] = [{} for _ in range(n)]
         self.drafted = [False] * n  # group holds proposals not yet verified
         self.release_draft: list[list[str]] = [[] for _ in range(n)]
-        # per group, the planned round's expected tokens (StepCosts.last_predicted; None: plain)
+        # per group, the planned round's prediction (`Plan.predicted`; None: not a priced round)
         self.predicted: list[Planned | None] = [None] * n
         self.release_target: list[list[str]] = [[] for _ in range(n)]
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         self._draft_off_until = 0.0
-        ngrams = ctx.config.lookup_ngrams  # prompt lookup, drafted here: no call, and depths know each match
-        self.lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
-        self.quotes_only = ctx.config.lookup_quotes_only  # lookup beside a draft model: quotes only
+        config, ngrams = ctx.config, ctx.config.lookup_ngrams
+        # Prompt lookup is drafted here (no call) and depths know each match; beside a draft model, quotes only.
+        lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
+        self.speculation = Speculation(
+            config.depth, ctx.costs, config.drafts_sampled, lookup, config.lookup_quotes_only, ctx.eos_ids, ctx.decode
+        )
         self.round_ahead = ctx.config.round_ahead and pool_drafts
         self._late: asyncio.Task[Drafted] | None = None  # a pre-draft that outlived its round
         self.task: asyncio.Task[None] | None = None
@@ -232,37 +236,26 @@ class Lane:
                 self._leave(g, live)
 
     # ---- draft -------------------------------------------------------------------------
-    def depth_cap(self, n: int) -> int:
-        """Most draft tokens per sequence for a micro-batch of n: shrinks with batch size and load."""
-        limits = self.ctx.config.limits
-        cap = min(limits.adaptive.max_depth, max(limits.verify_token_budget // max(n, 1) - 1, 0))
-        return cap >> self.target_waiting if limits.shrink_when_queued else cap
-
     async def _draft(self, g: int | None) -> _Half | None:
         if g is None:
             return None
         group = list(self.groups[g].values())
         lives = [x for x in group if x.proposal is None]  # the others hold their pre-drafts
-        config = self.ctx.config
-        costs = self.ctx.costs if config.limits.load_adaptive else None
         # The other group's verify runs beside this draft; or, for one sequence drafting round ahead, this
         # round's draft is the exception (a miss) and the next is drafted beside the verify.
         overlapped = (len(self.groups) > 1 and all(self.groups)) or (self.round_ahead and len(group) == 1)
         seqs = [x.seq for x in lives]
-        depths = plan_depths(
-            seqs, costs, self.depth_cap(len(group)), overlapped, config.drafts_sampled, self.lookup, self.quotes_only
-        )
+        drafting = self.speculation.plan(seqs, len(group), self.target_waiting, overlapped)
         # A round mixing pre-drafts with these drafts is not the round this plan priced: no calibrating on it.
-        self.predicted[g] = costs.last_predicted if costs is not None and len(lives) == len(group) else None
-        requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
-        self.ctx.metrics.depth.set(sum(r.budget for r in requests) / max(len(requests), 1))
+        self.predicted[g] = drafting.plan.predicted if len(lives) == len(group) else None
+        modelled = drafting.modelled
+        self.ctx.metrics.depth.set(sum(drafting.plan.depths) / max(len(seqs), 1))
         # Prompt lookup drafts here, in the router (~0.1 ms a sequence): a call to the draft pool would
-        # cost more than the lookup. `plan_depths` set lookup_run for the sequences lookup drafts.
-        found, modelled = split_lookup(self.lookup, [s.stats.lookup_run for s in seqs], requests)
-        proposals = [WireProposal.encode(p) if p is not None else None for p in found]
+        # cost more than the lookup.
+        proposals = [WireProposal.encode(p) if p is not None else None for p in drafting.found]
         half = _Half(seqs=len(lives))
         pool, called_pool = self.ctx.draft, False
-        if self._pool_free() and pool is not None and any(r.budget for r in modelled):
+        if self._pool_free() and pool is not None and drafting.calls_drafter:
             try:
                 called = time.perf_counter()
                 work = sum(_work(x, r) for x, r in zip(lives, modelled, strict=True) if r.budget)
@@ -275,11 +268,11 @@ class Lane:
                 # Priced as the round waits for it, the call included: only drafting rounds pay for the
                 # hop to the draft pool.
                 waited = time.perf_counter() - called
-                self.ctx.costs.observe_draft(seqs, [p.tree for p in drafted.proposals], waited, self.predicted[g])
+                self.speculation.drafted(seqs, [p.tree for p in drafted.proposals], waited, self.predicted[g])
                 proposals = [p or d for p, d in zip(proposals, drafted.proposals, strict=True)]
             except Exception as e:  # a draft failure never fails a request: decode without speculation
                 self._draft_failed(e)
-        if any(r.budget for r in modelled) and not called_pool:  # not drafted as planned: no calibrating on it
+        if drafting.calls_drafter and not called_pool:  # not drafted as planned: no calibrating on it
             self.predicted[g] = None
         for live, proposal in zip(lives, proposals, strict=True):
             live.proposal = proposal
@@ -312,23 +305,19 @@ class Lane:
         start. Only sequences whose tokens do not depend on the draft (greedy, deterministic drafts)
         pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
         """
-        seq, config = live.seq, self.ctx.config
+        seq, config, speculation = live.seq, self.ctx.config, self.speculation
         if not (seq.params.greedy or not config.drafts_sampled):
             return 0
         tree = live.proposal.tree if live.proposal is not None else None
         if not seq.stats.steps:  # prefill: once (a long prompt's later chunk rounds find the draft caught up)
             if live.draft_seen >= len(seq.tokens):
                 return 0
-            depth = min(seq.depth.next_depth(), self.depth_cap(group_size))
+            depth = speculation.own(seq, group_size, self.target_waiting)
         elif group_size == 1 and tree is not None and tree.size:
-            costs = self.ctx.costs if config.limits.load_adaptive else None
-            run = seq.stats.lookup_run  # what this round drafted by: its verdict is tallied by it
-            (depth,) = plan_depths(
-                [seq], costs, self.depth_cap(1), True, config.drafts_sampled, self.lookup, self.quotes_only
-            )
-            quoted, seq.stats.lookup_run = seq.stats.lookup_run, run
-            if self.lookup is not None and quoted:  # a quote: drafted by lookup at the next round's start
+            plan = speculation.depths([seq], 1, self.target_waiting, overlapped=True)
+            if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
                 return 0
+            depth = plan.depths[0]
         else:
             return 0
         path = len(assumed_path(tree)) if tree is not None else 0
@@ -412,17 +401,13 @@ class Lane:
                 self._drop(pre)
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
-        trees = [item.proposal.tree for item in items]
-        accepted = [len(v.accepted) for v in verified.verdicts]
-        if all(v.tokens for v in verified.verdicts):  # a chunk of a long prefill in it: not a priced round
-            self.ctx.costs.observe_verify([x.seq for x in lives], trees, verified.work.seconds, accepted)
-            self.ctx.costs.observe_round(self.predicted[g], sum(len(v.tokens) for v in verified.verdicts))
+        seqs, trees = [x.seq for x in lives], [item.proposal.tree for item in items]
+        news = self.speculation.settle(seqs, trees, verified.verdicts, verified.work.seconds, self.predicted[g])
         committed = 0
-        for live, verdict in zip(lives, verified.verdicts, strict=True):
-            if not verdict.tokens:  # still prefilling (chunked prefill): sent again next round
-                live.proposal = None
-                continue
-            committed += self._commit(g, live, verdict.tokens, len(verdict.accepted))
+        for live, tree, verdict, new in zip(lives, trees, verified.verdicts, news, strict=True):
+            live.proposal = None
+            if new is not None:  # (None: still prefilling, sent again next round)
+                committed += self._emit(g, live, tree, len(verdict.accepted), new)
         half = _Half(verified.work, len(lives), committed, verified.replica)
         if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token
             verdicts = {x.seq.seq_id: v.tokens for x, v in zip(lives, verified.verdicts, strict=True)}
@@ -444,13 +429,10 @@ class Lane:
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
         return None
 
-    def _commit(self, g: int, live: Live, tokens: tuple[int, ...], n_accepted: int) -> int:
-        seq = live.seq
-        tree = live.proposal.tree if live.proposal is not None else None
-        live.proposal = None
-        new = seq.commit(tree, tokens, n_accepted, self.ctx.eos_ids, self.ctx.decode)
-        now = time.time()
-        self.ctx.metrics.step(tree.depths if tree else (0,), n_accepted, len(new), now, live)
+    def _emit(self, g: int, live: Live, tree: TokenTree, n_accepted: int, new: list[int]) -> int:
+        """Stream a settled verdict's new tokens to the client; a finished sequence leaves the lane."""
+        seq, now = live.seq, time.time()
+        self.ctx.metrics.step(tree.depths, n_accepted, len(new), now, live)
         if seq.finish_reason is not None:
             self.ctx.metrics.finished(
                 seq.finish_reason, seq.stats.acceptance_length, len(seq.output), now - live.admitted

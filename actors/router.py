@@ -28,10 +28,9 @@ from actors.loading import Resolver, identity, load_decoder
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, ServePool
 from actors.wire import TargetInfo
-from speculative.adaptive import AdaptiveDepth
-from speculative.decoder import Sequence
 from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
+from speculative.sequence import Sequence
 
 
 class Overloaded(RuntimeError):
@@ -65,7 +64,7 @@ class Router:
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
         self._metrics = RouterMetrics()
-        self._costs = StepCosts()  # lanes come and go; what a verify or draft costs here outlives them
+        self._costs = StepCosts(config.depth)  # lanes come and go; what a verify or draft costs here outlives them
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -121,7 +120,7 @@ class Router:
         if len(self._live) >= self.config.max_active_sequences:
             raise Overloaded(f"{len(self._live)} sequences active (max_active_sequences)")
         seq_id = f"{self.router_id}-{next(self._ids)}"
-        seq = Sequence(seq_id, list(prompt), params, AdaptiveDepth(self.config.limits.adaptive))
+        seq = Sequence(seq_id, list(prompt), params)
         live = Live(seq)
         self._live[seq_id] = live
         self._metrics.queue.set(len(self._live))

@@ -15,13 +15,15 @@ from transformers import PreTrainedModel
 
 from bench.forward_cost import forward_costs, sync
 from bench.oracle import OracleDrafter
-from speculative.adaptive import AdaptiveConfig, expected_tokens
-from speculative.decoder import Sequence, SpeculativeDecoder
+from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig, expected_tokens
 from speculative.drafters.base import Drafter, Proposal
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.load_control import StepCosts
+from speculative.round import Drafting
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
+from speculative.sequence import Sequence
 from speculative.target import TargetVerifier
 
 
@@ -59,8 +61,8 @@ def run_decoder(
 ) -> dict[str, Any]:
     """All prompts as one batch; wall time includes the device's work (synchronized). `load_adaptive`:
     depths by acceptance and measured step costs (load_control.py) instead of always k."""
-    adaptive = AdaptiveConfig(enabled=load_adaptive, max_depth=k, draft_cost=0.0)
-    costs = StepCosts() if load_adaptive else None
+    adaptive = DepthConfig(adaptive=load_adaptive, max_depth=k, draft_cost=0.0)
+    costs = StepCosts(adaptive) if load_adaptive else None
     decoder = _Traced(TargetVerifier(ModelRunner(bench.target)), drafter, adaptive, costs=costs)
     sync(bench.device)
     start = time.perf_counter()
@@ -89,10 +91,11 @@ class _Traced(SpeculativeDecoder):
         super().__init__(*args, **kwargs)
         self.rounds: list[tuple[int, int, float]] = []
 
-    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        proposals = super()._propose(seqs)
-        calibration = self.costs.calibration if self.costs else 1.0
-        self.rounds.append((len(seqs), sum(p.tree.size for p in proposals), round(calibration, 3)))
+    def _propose(self, drafting: Drafting) -> list[Proposal]:
+        proposals = super()._propose(drafting)
+        costs = self.speculation.costs
+        calibration = costs.calibration if costs else 1.0
+        self.rounds.append((len(proposals), sum(p.tree.size for p in proposals), round(calibration, 3)))
         return proposals
 
 

@@ -82,13 +82,8 @@ def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
     _, shipped = app_block(Path(args.config))
     if mode == "draft":
         return AppConfig.model_validate(shipped)
-    speculation = shipped.get("speculation", {})
-    adaptive = speculation.get("adaptive", {}) | ({"draft_cost": 0.0} if mode == "lookup" else {})
-    changed = {
-        "draft_model": None,
-        "drafter": {"kind": DRAFTERS[mode]},
-        "speculation": speculation | {"adaptive": adaptive},
-    }
+    speculation = shipped.get("speculation", {}) | ({"draft_cost": 0.0} if mode == "lookup" else {})
+    changed = {"draft_model": None, "drafter": {"kind": DRAFTERS[mode]}, "speculation": speculation}
     return AppConfig.model_validate(shipped | changed)
 
 

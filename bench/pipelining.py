@@ -91,7 +91,7 @@ def app_config(args: argparse.Namespace, target: str, draft: str, mode: str) -> 
             "dtype": args.dtype,
             "torch_threads": 1,
             "drafter": {"kind": kind},
-            "speculation": {"adaptive": {"max_depth": args.max_depth}},
+            "speculation": {"max_depth": args.max_depth},
             "draft_pool": {"num_cpus": 1},
             "target_pool": {"shard_num_cpus": 1},
             "router_pool": {"num_cpus": 0.5, "router": {"pipelining": pipelining, "max_lane_sequences": 64}},

@@ -23,7 +23,7 @@ import torch
 
 from bench import report
 from deploy.local import LocalModels
-from speculative.adaptive import AdaptiveConfig
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
@@ -54,7 +54,7 @@ def run_ours(
     """Greedy, stopping at the target's end-of-sequence tokens as HF generate does; depths capped by the
     verify and draft costs measured so far in this run (`costs`, shared by a method's prompts)."""
     draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0
-    decoder = models.decoder(config, AdaptiveConfig(max_depth=depth, draft_cost=draft_cost), costs)
+    decoder = models.decoder(config, DepthConfig(max_depth=depth, draft_cost=draft_cost), costs)
     start = time.perf_counter()
     (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n))
     elapsed = time.perf_counter() - start

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from speculative.adaptive import AdaptiveConfig
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 from speculative.sampling import SamplingParams
 
@@ -23,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
     models = LocalModels.load(args.target, args.draft if args.drafter == "model" else None, args.dtype)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     drafter = DrafterConfig(kind=args.drafter, tree_width=args.tree_width, tree_nodes=args.tree_nodes)
-    decoder = models.decoder(drafter, AdaptiveConfig(max_depth=args.max_depth))
+    decoder = models.decoder(drafter, DepthConfig(max_depth=args.max_depth))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompt = models.chat_prompt(args.prompt)
     decoder.add(prompt, params)

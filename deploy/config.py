@@ -11,9 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, SpeculationLimits, TargetConfig
+from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, TargetConfig
 from actors.scaling import BusyFractionPolicy
 from deploy.frontdoor import FrontDoorConfig
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -191,7 +192,9 @@ class AppConfig(BaseModel):
     drafter: DrafterConfig = Field(
         default_factory=lambda: DrafterConfig.model_validate({}), description="Proposal shape."
     )
-    speculation: SpeculationLimits = Field(default_factory=SpeculationLimits, description="Depth rules and limits.")
+    speculation: DepthConfig = Field(
+        default_factory=DepthConfig, description="How deep sequences draft: the depth controller's knobs."
+    )
     draft_pool: DraftPoolConfig = Field(default_factory=DraftPoolConfig, description="Draft replicas (a draft model).")
     target_pool: TargetPoolConfig = Field(default_factory=TargetPoolConfig, description="Target replicas.")
     router_pool: RouterPoolConfig = Field(default_factory=RouterPoolConfig, description="Router replicas.")
@@ -240,7 +243,7 @@ class AppConfig(BaseModel):
         quotes = drafter.quotes_by_lookup
         lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or quotes else None
         update = {
-            "limits": self.speculation,
+            "depth": self.speculation,
             "drafts_sampled": drafter.drafts_sampled,
             "lookup_ngrams": lookup,
             "lookup_quotes_only": quotes,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from deploy.models import resolve
-from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.load_control import StepCosts
@@ -31,9 +31,7 @@ class LocalModels:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.target.tokenizer
 
-    def decoder(
-        self, drafter: DrafterConfig, adaptive: AdaptiveConfig, costs: StepCosts | None = None
-    ) -> SpeculativeDecoder:
+    def decoder(self, drafter: DrafterConfig, depth: DepthConfig, costs: StepCosts | None = None) -> SpeculativeDecoder:
         """A fresh decoder (empty caches) over the loaded weights; `costs` caps depths by measured costs."""
         target_runner = ModelRunner(self.target.model)
         draft_model = self.draft.model if self.draft is not None else None
@@ -41,7 +39,7 @@ class LocalModels:
         return SpeculativeDecoder(
             TargetVerifier(target_runner),
             build_drafter(drafter, draft_model, target_runner.vocab_size),
-            adaptive,
+            depth,
             eos_ids=self.target.eos_ids,
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
             costs=costs,

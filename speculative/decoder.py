@@ -1,9 +1,10 @@
 """The speculative decoding loop: draft, verify, commit, for a batch of sequences.
 
-`SpeculativeDecoder.step()` is one round for every active sequence: the drafter proposes a tree
-per sequence, the target verifies all trees in one batched forward, each verdict is committed to
-the target's cache, and stop conditions end sequences. New sequences join and finished ones
-leave between steps (continuous batching). Runs with no drafter as plain decoding.
+`SpeculativeDecoder.step()` is one round for every active sequence, the round of `round.py` run
+in-process (the router's lanes run the same round against their pools): the drafter proposes a
+tree per sequence, the target verifies all trees in one batched forward, each verdict is
+committed to the target's cache, and stop conditions end sequences. New sequences join and
+finished ones leave between steps (continuous batching). Runs with no drafter as plain decoding.
 """
 
 from __future__ import annotations
@@ -11,33 +12,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
-from speculative.drafters.base import Drafter, DraftRequest, Proposal, empty_proposal
-from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
-from speculative.load_control import Planned, StepCosts, plan_depths
+from speculative.depth import DepthConfig
+from speculative.drafters.base import Drafter, Proposal, empty_proposal
+from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.load_control import StepCosts
+from speculative.round import Drafting, Speculation
 from speculative.sampling import SamplingParams
-from speculative.stopping import check_stop
+from speculative.sequence import Sequence
 from speculative.target import TargetVerifier, VerifyItem
-from speculative.tree import TokenTree
-
-
-@dataclass
-class SequenceStats:
-    steps: int = 0  # target forwards (verify steps) this sequence took part in
-    drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-    draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
-    drafted_at: int = -2  # `steps` when it last drafted
-    draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
-    lookup_run: int = 0  # prompt lookup: the `run_class` of its last planned draft's match (0: none)
-    lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens committed per target step, bonus included."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
 @dataclass
@@ -48,42 +32,6 @@ class StepTimes:
     draft: float = 0.0  # drafter.propose
     verify: float = 0.0  # the target's batched forward + acceptance + commit
     total: float = 0.0  # whole steps, bookkeeping included
-
-
-@dataclass
-class Sequence:
-    seq_id: str
-    prompt: list[int]
-    params: SamplingParams
-    depth: AdaptiveDepth
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    text_end: int | None = None
-    stats: SequenceStats = field(default_factory=SequenceStats)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    def commit(
-        self,
-        tree: TokenTree | None,
-        tokens: tuple[int, ...],
-        n_accepted: int,
-        eos_ids: frozenset[int],
-        decode: Callable[[list[int]], str] | None,
-    ) -> list[int]:
-        """Record one verified step: stats, adaptive depth, output cut at a stop. Returns new tokens."""
-        self.depth.update(max(tree.depths) if tree is not None else 0, n_accepted)
-        self.stats.steps += 1
-        self.stats.drafted += tree.size if tree is not None else 0
-        self.stats.accepted += n_accepted
-        before = len(self.output)
-        self.output += tokens
-        stop = check_stop(self.output, len(tokens), self.params, eos_ids, decode)
-        del self.output[stop.keep :]
-        self.finish_reason, self.text_end = stop.reason, stop.text_end
-        return self.output[before:]
 
 
 @dataclass(frozen=True)
@@ -100,30 +48,28 @@ class SpeculativeDecoder:
         self,
         target: TargetVerifier,
         drafter: Drafter | None,
-        adaptive: AdaptiveConfig,
+        depth: DepthConfig,
         eos_ids: frozenset[int] = frozenset(),
         decode: Callable[[list[int]], str] | None = None,
         costs: StepCosts | None = None,
         drafts_sampled: bool = True,
         quotes: PromptLookupDrafter | None = None,
     ) -> None:
-        """`costs`: measure verify and draft costs and cap depths by them (load_control.py); None: depth
-        by acceptance alone. `drafts_sampled`: the drafter samples drafts under sampling, so sampled
-        requests keep their acceptance-only depth (reproducible tokens). `quotes`: beside a draft model,
-        sequences quoting their context draft by this lookup instead (`DrafterConfig.lookup_quotes`)."""
+        """`costs`: measure verify and draft costs and cap depths by them (load_control.py, with
+        `depth.load_adaptive`); None: depth by acceptance alone. `drafts_sampled`: the drafter samples
+        drafts under sampling, so sampled requests keep their acceptance-only depth (reproducible tokens).
+        `quotes`: beside a draft model, sequences quoting their context draft by this lookup instead
+        (`DrafterConfig.lookup_quotes`)."""
         self.target = target
         self.drafter = drafter
-        self.adaptive = adaptive if drafter is not None else adaptive.model_copy(update={"max_depth": 0})
-        self.eos_ids = eos_ids
-        self.decode = decode
+        self.depth = depth if drafter is not None else depth.model_copy(update={"max_depth": 0})
+        lookup = drafter if isinstance(drafter, PromptLookupDrafter) else quotes
+        self.speculation = Speculation(self.depth, costs, drafts_sampled, lookup, quotes is not None, eos_ids, decode)
         self.active: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []
         self._ids = itertools.count()
         self.finished: list[Sequence] = []  # done since the last generate() began
         self.times = StepTimes()
-        self.costs = costs
-        self.drafts_sampled = drafts_sampled
-        self.quotes = quotes
 
     def add(self, prompt: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
         if not prompt:
@@ -133,7 +79,7 @@ class SpeculativeDecoder:
         seq_id = seq_id or f"seq-{next(self._ids)}"
         if seq_id in self.active or any(s.seq_id == seq_id for s in self._pending):
             raise ValueError(f"sequence id {seq_id!r} is already running")
-        self._pending.append(Sequence(seq_id, list(prompt), params, AdaptiveDepth(self.adaptive)))
+        self._pending.append(Sequence(seq_id, list(prompt), params))
         return seq_id
 
     def cancel(self, seq_id: str) -> None:
@@ -146,26 +92,24 @@ class SpeculativeDecoder:
         return bool(self.active or self._pending)
 
     def step(self) -> list[StepOutput]:
-        """One draft-verify-commit round; new sequences are prefilled inside the verify forward."""
+        """One plan-propose-verify-settle round; new sequences are prefilled inside the verify forward."""
         self.active.update((s.seq_id, s) for s in self._pending)
         self._pending = []
         if not self.active:
             return []
         t0 = time.perf_counter()
         seqs = list(self.active.values())
-        proposals = self._propose(seqs)
+        drafting = self.speculation.plan(seqs, len(seqs))
+        proposals = self._propose(drafting)
         t1 = time.perf_counter()
+        if drafting.calls_drafter:
+            self.speculation.drafted(seqs, [p.tree for p in proposals], t1 - t0, drafting.plan.predicted)
         items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p) for s, p in zip(seqs, proposals, strict=True)]
         verdicts = self.target.verify(items)
         t2 = time.perf_counter()
-        if self.costs is not None:
-            predicted = self.costs.last_predicted
-            self._observe(seqs, proposals, [len(v.accepted) for v in verdicts], t1 - t0, t2 - t1, predicted)
-            self.costs.observe_round(predicted, sum(len(v.tokens) for v in verdicts))
-        outputs = [
-            self._commit(seq, prop, v.tokens, len(v.accepted))
-            for seq, prop, v in zip(seqs, proposals, verdicts, strict=True)
-        ]
+        trees = [p.tree for p in proposals]
+        news = self.speculation.settle(seqs, trees, verdicts, t2 - t1, drafting.plan.predicted)
+        outputs = [StepOutput(s.seq_id, new or [], s.finish_reason) for s, new in zip(seqs, news, strict=True)]
         self._finish([s for s in seqs if s.finish_reason is not None])
         times = self.times
         times.steps += 1
@@ -174,32 +118,11 @@ class SpeculativeDecoder:
         times.total += time.perf_counter() - t0
         return outputs
 
-    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        lookup = self.drafter if isinstance(self.drafter, PromptLookupDrafter) else self.quotes
-        max_depth, sampled = self.adaptive.max_depth, self.drafts_sampled
-        depths = plan_depths(seqs, self.costs, max_depth, False, sampled, lookup, self.quotes is not None)
-        requests = [DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, depths, strict=True)]
+    def _propose(self, drafting: Drafting) -> list[Proposal]:
         if self.drafter is None:
-            return [empty_proposal(r) for r in requests]
-        found, modelled = split_lookup(lookup, [s.stats.lookup_run for s in seqs], requests)
-        return [p or q for p, q in zip(found, self.drafter.propose(modelled), strict=True)]
-
-    def _observe(
-        self,
-        seqs: list[Sequence],
-        proposals: list[Proposal],
-        accepted: list[int],
-        draft_s: float,
-        verify_s: float,
-        planned: Planned | None,
-    ) -> None:
-        assert self.costs is not None
-        self.costs.observe_draft(seqs, [p.tree for p in proposals], draft_s, planned)
-        self.costs.observe_verify(seqs, [p.tree for p in proposals], verify_s, accepted)
-
-    def _commit(self, seq: Sequence, prop: Proposal, tokens: tuple[int, ...], n_accepted: int) -> StepOutput:
-        new = seq.commit(prop.tree, tokens, n_accepted, self.eos_ids, self.decode)
-        return StepOutput(seq.seq_id, new, seq.finish_reason)
+            return [empty_proposal(r) for r in drafting.modelled]
+        drafted = self.drafter.propose(drafting.modelled)
+        return [p or q for p, q in zip(drafting.found, drafted, strict=True)]
 
     def _finish(self, done: list[Sequence]) -> None:
         if not done:

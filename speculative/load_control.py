@@ -1,6 +1,6 @@
 """Speculation depth by load: per-sequence draft depths that maximise a batch's committed tokens/s.
 
-Per sequence, `adaptive.AdaptiveDepth` picks how deep to draft from acceptance alone. Per batch,
+Per sequence, `depth.own_depth` picks how deep to draft from acceptance alone. Per batch,
 the right depths also depend on what a verify forward costs at that size: on a CPU a forward of 8
 tokens costs about one decode step but one of 64 costs twice that (MODELS.md); on a GPU it is flat
 until the batch turns compute-bound. So a lane measures its own calls and, before each draft,
@@ -10,7 +10,7 @@ chooses depths d_i <= min(want_i, cap) maximising the round's goodput
     cost(d)    = V(P(1 + w * d_1, ..., 1 + w * d_n)) + D(n, max_i d_i) + C * sum_{d_i > 0} c_i
                  (max(V, D + C...) when overlapped)
 
-where E is `adaptive.expected_tokens`, a_i a sequence's acceptance estimate, w the tree nodes
+where E is `depth.expected_tokens`, a_i a sequence's acceptance estimate, w the tree nodes
 drafted per unit of depth (1 for chains), P the tokens the runner computes for rows of those
 lengths (their sum: a forward packs its rows, `packing`, so a drafted token costs one token's
 compute whatever the batch, not a row's worth of padding), V(x) the measured seconds of a verify
@@ -70,7 +70,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from speculative.adaptive import expected_tokens, tally
+from speculative.depth import DepthConfig, expected_tokens, own_depth, tally
 from speculative.drafters.lookup import PromptLookupDrafter, run_prior
 from speculative.tree import TokenTree
 
@@ -79,7 +79,7 @@ QUOTE_RUN = 8  # prompt lookup: a match whose run (`lookup.run_class`) is this l
 SPREAD = 1.5  # cost-curve points closer in size than this factor are averaged (their slope is noise)
 
 if TYPE_CHECKING:
-    from speculative.decoder import Sequence
+    from speculative.sequence import Sequence
 
 
 @dataclass
@@ -158,33 +158,23 @@ class Planned(NamedTuple):
 
 @dataclass
 class StepCosts:
-    """A lane's measured verify and draft costs."""
+    """A lane's measured verify and draft costs, and what its rounds delivered against their plans."""
 
-    memory: float = 0.7  # weight an old observation keeps at each new one in its bucket
+    config: DepthConfig = field(default_factory=DepthConfig)  # the memories of these measurements
     verify: _Curve = field(init=False)  # seconds of a verify forward, by tokens in it
     draft_step: _Curve = field(init=False)  # seconds per unit of depth of a draft round, by sequences
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
-    refresh_rounds: int = 64  # re-measure a plain round of the current size after this many verifies
-    min_gain: float = 1.1  # drafted tokens count at 1/min_gain of their expected number (a margin)
-    lookup_min_gain: float = 2.0  # the same for prompt lookup's drafts from short runs (see plan_depths)
-    probe_cost: float = 0.03  # a probe round may cost this much more than the round it replaces
-    probe_every: int = 8  # rounds between probe rounds (sequences held at depth 0 draft one token)
-    probe_hope: float = 0.9  # a probe looks for drafts this good: none where even they would not pay
-    rounds: int = 0  # rounds planned
+    rounds: int = 0  # rounds settled
     calibration: float = 1.0  # drafted tokens committed over expected, drafting rounds (decayed)
-    calibration_memory: float = 0.8  # weight the old calibration keeps at each drafting round
-    calibration_relax: float = 0.005  # per plain round, the calibration moves this far back toward 1
     draft_calibration: float = 1.0  # draft calls' seconds over those predicted, drafting rounds (decayed)
-    last_predicted: Planned | None = None  # the round just planned (None: no load-capped drafts)
     draft_token: float | None = None  # seconds per token the draft model catches up on (decayed mean)
-    pooled_memory: float = 0.98  # weight an old accept/reject decision keeps at each new one, lane-wide
     pooled_accepted: float = 0.0  # decayed draft tokens accepted, all sequences of the lane
     pooled_trials: float = 0.0  # decayed accept/reject decisions, all sequences of the lane
     pooled_by_match: dict[int, tuple[float, float]] = field(default_factory=dict)  # lookup: run class -> the pair
 
     def __post_init__(self) -> None:
-        self.verify = _Curve(self.memory)
-        self.draft_step = _Curve(self.memory)
+        self.verify = _Curve(self.config.cost_memory)
+        self.draft_step = _Curve(self.config.cost_memory)
 
     def observe_verify(
         self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, accepted: Seq[int] = ()
@@ -203,27 +193,29 @@ class StepCosts:
             if not proposed:
                 continue
             run = seq.stats.lookup_run  # lookup drafts apart, by the run class of the match they came from
-            if not run:  # the tally of adaptive.AdaptiveDepth.update, over the lane's model drafts
+            if not run:  # the tally of depth.Acceptance.update, over the lane's model drafts
                 pooled = self.pooled_accepted, self.pooled_trials
-                self.pooled_accepted, self.pooled_trials = tally(*pooled, self.pooled_memory, proposed, kept)
+                self.pooled_accepted, self.pooled_trials = tally(*pooled, self.config.pooled_memory, proposed, kept)
             else:
                 pooled = self.pooled_by_match.get(run, (0.0, 0.0))
-                self.pooled_by_match[run] = tally(*pooled, self.pooled_memory, proposed, kept)
+                self.pooled_by_match[run] = tally(*pooled, self.config.pooled_memory, proposed, kept)
                 own = seq.stats.lookup_tally.get(run, (0.0, 0.0))
-                seq.stats.lookup_tally[run] = tally(*own, seq.depth.config.memory, proposed, kept)
+                seq.stats.lookup_tally[run] = tally(*own, self.config.memory, proposed, kept)
 
     def observe_round(self, predicted: Planned | None, tokens: int) -> None:
-        """A planned round ended with `tokens` committed; `predicted`: its `last_predicted`.
+        """A round ended with `tokens` committed; `predicted`: its plan's `Plan.predicted`.
 
         Drafting rounds calibrate the drafted tokens' expected number against what they delivered;
         plain rounds let both calibrations drift back toward 1, so drafting is tried again later.
         """
+        self.rounds += 1
+        relax, memory = self.config.calibration_relax, self.config.calibration_memory
         if predicted is None:
-            self.calibration += self.calibration_relax * (1.0 - self.calibration)
-            self.draft_calibration += self.calibration_relax * (1.0 - self.draft_calibration)
+            self.calibration += relax * (1.0 - self.calibration)
+            self.draft_calibration += relax * (1.0 - self.draft_calibration)
         elif predicted.drafted > 0:
             ratio = min(max((tokens - predicted.base) / predicted.drafted, 0.0), 2.0)
-            self.calibration = self.calibration_memory * self.calibration + (1 - self.calibration_memory) * ratio
+            self.calibration = memory * self.calibration + (1 - memory) * ratio
 
     def acceptance_prior(self, default: float, run: int = 0) -> float:
         """The lane's recent acceptance, leaning on `default` (4 decisions' worth) while it has few:
@@ -254,7 +246,7 @@ class StepCosts:
             return
         if planned is not None and planned.draft_seconds > 0:
             ratio = min(max(seconds / planned.draft_seconds, 0.5), 4.0)
-            memory = self.calibration_memory
+            memory = self.config.calibration_memory
             self.draft_calibration = memory * self.draft_calibration + (1 - memory) * ratio
         caught_up = sum(s.stats.draft_catch_up for s in drafting)
         if caught_up >= CATCH_UP_MEASURED:
@@ -267,11 +259,13 @@ class StepCosts:
             if seconds > base * max(depths):
                 per_token = (seconds - base * max(depths)) / caught_up
                 old = self.draft_token
-                self.draft_token = per_token if old is None else self.memory * old + (1 - self.memory) * per_token
+                memory = self.config.cost_memory
+                self.draft_token = per_token if old is None else memory * old + (1 - memory) * per_token
             return
         self.draft_step.observe(len(drafting), seconds / max(depths))
         width = sum(t.size for t in trees) / sum(depths)  # nodes per unit of depth: 1 for chains
-        self.nodes_per_depth = self.memory * self.nodes_per_depth + (1 - self.memory) * max(width, 1.0)
+        memory = self.config.cost_memory
+        self.nodes_per_depth = memory * self.nodes_per_depth + (1 - memory) * max(width, 1.0)
 
 
 def catch_up(seq: Sequence) -> int:
@@ -293,8 +287,9 @@ def choose_depths(
     probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
     min_gains: list[float] | None = None,  # [n] the margin on each sequence's drafted tokens; None: min_gain
     free: list[bool] | None = None,  # [n] True: drafts by prompt lookup (no draft call to pay for)
-) -> list[int]:
-    """Per-sequence depths within min(want, cap) with the most expected tokens per second.
+) -> tuple[list[int], Planned | None]:
+    """Per-sequence depths within min(want, cap) with the most expected tokens per second, and the
+    round's prediction (None where the round is not priced: unmeasured, plain, or only uncapped drafts).
 
     Drafting one level deeper in sequence i adds a_i^(d+1) expected tokens (the chance that every
     token down to it is accepted) and `nodes_per_depth` tokens to the verify forward, so the best
@@ -309,39 +304,40 @@ def choose_depths(
     come in rounds of their own (`plan_depths`), so under load they share one forward and one draft
     call instead of taxing every round.
     """
-    costs.last_predicted = None
+    config = costs.config
     n = len(wants)
     capped = capped or [True] * n
     depths = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
     if not any(c and min(w, cap) for w, c in zip(wants, capped, strict=True)):
-        return depths
+        return depths, None
     free = free or [False] * n
     modelled = any(min(w, cap) and not f for w, f in zip(wants, free, strict=True))
     if not costs.verify.points or (modelled and costs.draft_step(n) is None):  # unmeasured: draft as deep as
-        return [min(w, cap) for w in wants]  # allowed once (no prediction: the round does not calibrate)
+        return [min(w, cap) for w in wants], None  # allowed once (no prediction: the round does not calibrate)
     age = costs.verify.age(n)
-    if age is None or age > costs.refresh_rounds:  # what not drafting costs at this size is unknown or old:
-        return depths  # a plain round measures it (the alternative every choice is weighed against)
+    if age is None or age > config.refresh_rounds:  # what not drafting costs at this size is unknown or old:
+        return depths, None  # a plain round measures it (the alternative every choice is weighed against)
     catch = catch_ups or [0] * n
-    margins = min_gains or [costs.min_gain] * n
+    margins = min_gains or [config.min_gain] * n
     chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margins, free)
-    if drafted:  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
-        costs.last_predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch, free))
+    predicted = None  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
+    if drafted:
+        predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch, free))
     probes = probes or {}
     due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
         hope = set(due)
-        hoped = [max(a, costs.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
+        hoped = [max(a, config.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
         would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins, free)
         due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
     if due:
         full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
-        limit = _seconds(chosen, costs, overlapped, full, free) * (1 + costs.probe_cost)
+        limit = _seconds(chosen, costs, overlapped, full, free) * (1 + config.probe_cost)
         for i in sorted(due, key=lambda i: -acceptances[i]):
             chosen[i] = 1
             if _seconds(chosen, costs, overlapped, full, free) > limit:
                 chosen[i] = 0
-    return chosen
+    return chosen, predicted
 
 
 def _best_depths(
@@ -411,17 +407,28 @@ def _draft_seconds(depths: list[int], costs: StepCosts, catch: list[float], free
     return draft
 
 
+class Plan(NamedTuple):
+    """A round's drafting as planned. Planning changes nothing: the round records it (`record_plan`)."""
+
+    depths: list[int]  # [n] draft tokens per sequence
+    runs: list[int]  # [n] the prompt-lookup match's run class each draft is for (0: the draft model drafts)
+    catch_ups: list[int]  # [n] tokens the draft model catches up on before each drafts
+    predicted: Planned | None  # the round's prediction for the calibrations (None: not a priced round)
+
+
 def plan_depths(
     seqs: Seq[Sequence],
+    config: DepthConfig,
     costs: StepCosts | None,
     cap: int,
     overlapped: bool = False,
     drafts_sampled: bool = True,
     lookup: PromptLookupDrafter | None = None,
     quotes_only: bool = False,
-) -> list[int]:
+) -> Plan:
     """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
-    `costs` within the load cap too, except for sequences whose tokens depend on depth (sampled drafts).
+    `costs` (and `config.load_adaptive`) within the load cap too, except for sequences whose tokens
+    depend on depth (sampled drafts).
 
     With `lookup` (the drafter is prompt lookup, whose drafts cost nothing to find), depths are weighed
     knowing each sequence's match: none wants no more than its match would draft (no match: nothing,
@@ -430,18 +437,22 @@ def plan_depths(
     whose run is QUOTE_RUN or more) drafts by lookup, free and as deep as the quote goes, where its
     tokens do not depend on the drafter (greedy, or deterministic drafts: `capped`); the draft model
     drafts the rest. Under load, where a draft model no longer pays (its forwards and catching up cost
-    about what its accepted tokens save), quotes still do. `s.stats.lookup_run` says which drafter a
-    sequence's depth is for: a match's run class for lookup, 0 for the draft model.
+    about what its accepted tokens save), quotes still do. `Plan.runs` says which drafter a sequence's
+    depth is for: a match's run class for lookup, 0 for the draft model.
     """
+    priced = costs if config.load_adaptive else None
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
     # A request may cap its own depth (`max_draft_tokens`; 0: no speculation for it).
     room = [max(min(s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
-    wants = [min(s.depth.next_depth(), r) for s, r in zip(seqs, room, strict=True)]
+    wants = [
+        min(own_depth(s.acceptance, s.stats.steps - s.stats.drafted_at, config), r)
+        for s, r in zip(seqs, room, strict=True)
+    ]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
     # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
     # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
     # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
-    if costs is not None:
+    if priced is not None:
         wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
     # (the match's run class, tokens the lookup would draft), looked up only where a draft is wanted;
     # (0, want) when the drafter is not lookup. Beside a draft model, only capped sequences past their
@@ -455,22 +466,21 @@ def plan_depths(
             lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
         ]
     wants = [found if n else min(w, found) for w, (n, found) in zip(wants, matches, strict=True)]
-    for s, (n, _) in zip(seqs, matches, strict=True):
-        s.stats.lookup_run = n
-    if costs is None:
-        return [min(w, cap) for w in wants]
-    free = [bool(n) for n, _ in matches]  # drafts by lookup: no draft forward, nothing to catch up on
+    runs = [n for n, _ in matches]
+    free = [bool(n) for n in runs]  # drafts by lookup: no draft forward, nothing to catch up on
+    catch_ups = [0 if f else catch_up(s) for s, f in zip(seqs, free, strict=True)]  # lookup keeps no cache
+    if priced is None:
+        return Plan([min(w, cap) for w in wants], runs, catch_ups, None)
     # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
     # a constant, so a workload the draft guesses badly does not draft on every arrival. A lookup match
     # leans on the lane's drafts from matches in its class, and before there are any on what the run
     # itself says (`run_prior`): a class that never drafted under load would otherwise stay at the
     # configured prior, too low to draft at, and never show what its drafts are worth.
-    default = seqs[0].depth.config.prior_acceptance if seqs else 0.0
     acceptances = [
-        _match_acceptance(s, costs.acceptance_prior(run_prior(s.stats.lookup_run), s.stats.lookup_run))
-        if s.stats.lookup_run
-        else s.depth.acceptance_with(costs.acceptance_prior(default))
-        for s in seqs
+        _match_acceptance(s, run, priced.acceptance_prior(run_prior(run), run))
+        if run
+        else s.acceptance.estimate(priced.acceptance_prior(config.prior_acceptance))
+        for s, run in zip(seqs, runs, strict=True)
     ]
     # Catching up is paid once and lets the sequence draft for the rest of its output: charge each
     # round its share, over the rounds the sequence still has to go at its own depth.
@@ -478,38 +488,39 @@ def plan_depths(
         max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
         for s, a, w in zip(seqs, acceptances, wants, strict=True)
     ]
-    catch_ups = [0 if f else catch_up(s) for s, f in zip(seqs, free, strict=True)]  # lookup keeps no cache
     charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
     # Every probe_every-th round is a probe round for sequences that have not drafted for as long.
-    costs.rounds += 1
     probes: dict[int, float] = {}
-    if costs.rounds % costs.probe_every == 0:
-        held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > costs.probe_every)
+    if priced.rounds % config.probe_every == config.probe_every - 1:
+        held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > config.probe_every)
         probes = {i: float(catch_ups[i]) for i in held}
-    # Lookup's estimates from short runs are the least sure (chance matches, right under a third of the time
-    # on the load sweep's mix, at estimates that vary with luck), so their drafted tokens must come at
-    # half the price of plain decoding's: at one stream a lookup token costs ~2 % of a step and the
-    # margin changes nothing; under load it keeps only the drafts that clearly pay (load sweep, c = 8-32
-    # at the 1.1 margin, before runs were told apart: L up 8-15 % and the forward's cost up as much).
-    # Drafts from runs of QUOTE_RUN tokens or more are quotes (right 128 times of 128 at c = 16) and get
-    # the common margin, so a sequence quoting its prompt drafts under load.
-    margins = [
-        costs.lookup_min_gain if s.stats.lookup_run and s.stats.lookup_run < QUOTE_RUN else costs.min_gain for s in seqs
-    ]
-    depths = choose_depths(wants, acceptances, costs, cap, overlapped, capped, charged, probes, margins, free)
+    # Lookup's estimates from short runs are the least sure (chance matches, right under a third of the
+    # time on the load sweep's mix), so their drafted tokens must come at `lookup_min_gain` of plain
+    # decoding's price; drafts from runs of QUOTE_RUN tokens or more are quotes and get the common
+    # margin, so a sequence quoting its prompt drafts under load.
+    margins = [config.lookup_min_gain if run and run < QUOTE_RUN else config.min_gain for run in runs]
+    depths, predicted = choose_depths(
+        wants, acceptances, priced, cap, overlapped, capped, charged, probes, margins, free
+    )
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
-        costs.last_predicted = None
-    for s, d, c, f in zip(seqs, depths, catch_ups, free, strict=True):
-        if d and not (f and quotes_only):  # what the draft model has seen (a quote beside it: nothing)
+        predicted = None
+    return Plan(depths, runs, catch_ups, predicted)
+
+
+def record_plan(seqs: Seq[Sequence], plan: Plan, quotes_only: bool) -> None:
+    """The round drafts as planned: which drafter each sequence's verdict is tallied by, and what the draft
+    model has seen of those it drafts (what `catch_up` counts from; a quote beside it: nothing)."""
+    for s, d, run, c in zip(seqs, plan.depths, plan.runs, plan.catch_ups, strict=True):
+        s.stats.lookup_run = run
+        if d and not (run and quotes_only):
             s.stats.draft_synced, s.stats.drafted_at, s.stats.draft_catch_up = len(s.tokens), s.stats.steps, c
-    return depths
 
 
-def _match_acceptance(seq: Sequence, prior: float) -> float:
-    """A lookup draft's acceptance from this sequence's drafts off matches in its current one's run
-    class, leaning on the lane's (`prior`, 4 decisions' worth): chance matches in a preamble that
-    missed say little about the long runs of the code the sequence then quotes."""
-    accepted, trials = seq.stats.lookup_tally.get(seq.stats.lookup_run, (0.0, 0.0))
+def _match_acceptance(seq: Sequence, run: int, prior: float) -> float:
+    """A lookup draft's acceptance from this sequence's drafts off matches in run class `run`, leaning on
+    the lane's (`prior`, 4 decisions' worth): chance matches in a preamble that missed say little about
+    the long runs of the code the sequence then quotes."""
+    accepted, trials = seq.stats.lookup_tally.get(run, (0.0, 0.0))
     return min(max((accepted + 4.0 * prior) / (trials + 4.0), 1e-3), 0.999)
 
 

@@ -26,8 +26,8 @@ from actors.router import Overloaded
 from deploy.frontdoor import FrontDoor, FrontDoorConfig
 from deploy.grpc_ingress import GrpcIngress
 from deploy.http_ingress import OpenAIIngress
-from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
@@ -90,7 +90,7 @@ class FrontRouter:
     ) -> None:
         drafter = build_drafter(DrafterConfig(kind="model"), draft, VOCAB)
         verifier = TargetVerifier(ModelRunner(target))
-        self.decoder = SpeculativeDecoder(verifier, drafter, AdaptiveConfig(), eos_ids, decode)
+        self.decoder = SpeculativeDecoder(verifier, drafter, DepthConfig(), eos_ids, decode)
         self.eos_ids = eos_ids
         self.max_active = max_active
         self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}

@@ -57,7 +57,8 @@ def app(target: str, draft: str, depth: int) -> AppConfig:
             "torch_threads": 1,
             "drafter": {"kind": "model"},
             "speculation": {
-                "adaptive": {"enabled": False, "max_depth": depth},
+                "adaptive": False,
+                "max_depth": depth,
                 "verify_token_budget": 1024,
                 "shrink_when_queued": False,
                 "load_adaptive": False,  # else the router stops drafting with a draft this heavy

@@ -57,7 +57,7 @@ def test_a_long_prompt_is_prefilled_between_the_rounds_of_four_streams(
     draft_cfg = DraftWorkerConfig(
         model=ModelConfig(path=tiny_pair.draft, dtype="float32"), target_model=tiny_pair.target
     )
-    config = RouterConfig(pipelining=False, limits={"load_adaptive": False})
+    config = RouterConfig(pipelining=False, depth={"load_adaptive": False})
     router = Router(config, LocalPool([DraftWorker(draft_cfg)]), LocalPool([target]))  # type: ignore[arg-type]
     sizes: list[int] = []  # new tokens of every target forward
     forward = ModelRunner.forward_packed

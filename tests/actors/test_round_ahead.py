@@ -86,7 +86,7 @@ def test_a_slow_catch_up_is_not_taken_for_a_lost_draft_replica(tiny_pair: TinyPa
     prompt = (prompts_and_lengths(1, seed=2)[0][0] * 20)[:60]
     deadline = {"draft_timeout_s": 0.2, "draft_timeout_per_token_s": 0.02, "draft_backoff_s": 600.0}
     # Depth by acceptance alone: the load planner would rightly stop drafting on a draft this slow.
-    router = make_router(tiny_pair, limits={"load_adaptive": False}, **deadline)
+    router = make_router(tiny_pair, depth={"load_adaptive": False}, **deadline)
     router._draft = Slow(router._draft, per_token=0.005)  # type: ignore[arg-type]  # 60-token prompt: ~0.3 s
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 16}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 16)

@@ -164,21 +164,6 @@ def test_bad_input_and_overload(tiny_pair: TinyPair) -> None:
     asyncio.run(scenario())
 
 
-def test_depth_shrinks_with_batch_and_queue(tiny_pair: TinyPair) -> None:
-    router = make_router(tiny_pair, limits={"verify_token_budget": 16, "adaptive": {"max_depth": 4}})
-
-    async def lane_of() -> object:
-        await router._target_info()
-        return router._lane_for_new()
-
-    lane = asyncio.run(lane_of())
-    assert lane.depth_cap(1) == 4  # type: ignore[attr-defined]
-    assert lane.depth_cap(4) == 3  # type: ignore[attr-defined]
-    assert lane.depth_cap(16) == 0  # type: ignore[attr-defined]
-    lane.target_waiting = 2  # type: ignore[attr-defined]
-    assert lane.depth_cap(1) == 1  # type: ignore[attr-defined]
-
-
 def test_overhead_counts_time_in_neither_pool() -> None:
     record = StepRecord(0.0, 10.0, Work(1.0, 5.0), Work(3.0, 8.0), 1, 1, 2)
     assert record.overhead == pytest.approx(3.0)  # covered: 1..8

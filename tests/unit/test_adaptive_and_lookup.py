@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.adaptive import AdaptiveConfig, AdaptiveDepth, best_depth, expected_tokens
+from speculative.depth import Acceptance, DepthConfig, best_depth, depth_cap, expected_tokens, own_depth
 from speculative.drafters.base import DraftRequest
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation, lookup_match, run_class
 from speculative.sampling import SamplingParams
@@ -19,7 +19,7 @@ def test_expected_tokens_formula():
 
 
 def test_best_depth_grows_with_acceptance_and_vanishes_when_drafts_fail():
-    config = AdaptiveConfig(max_depth=8, draft_cost=0.3, verify_overhead=0.1)
+    config = DepthConfig(max_depth=8, draft_cost=0.3, verify_overhead=0.1)
     depths = [best_depth(a, config) for a in (0.05, 0.3, 0.6, 0.9, 0.99)]
     assert depths[0] == 0  # drafting a token that is never accepted only costs
     assert depths == sorted(depths) and depths[-1] >= 6
@@ -27,23 +27,35 @@ def test_best_depth_grows_with_acceptance_and_vanishes_when_drafts_fail():
 
 
 def test_sequence_depth_follows_its_acceptance_and_probes_back():
-    state = AdaptiveDepth(AdaptiveConfig(max_depth=6, probe_every=3))
+    config = DepthConfig(max_depth=6, probe_every=3)
+    evidence, since = Acceptance(), 0  # rounds since the sequence last drafted
     for _ in range(10):
-        k = state.next_depth()
-        state.update(k, 0)  # every draft rejected
-    assert state.next_depth() in (0, 1)
-    probes = [state.next_depth() for _ in range(6)]
-    assert probes.count(1) == 2 and probes.count(0) == 4  # a k=1 probe every third step at k=0
+        k = own_depth(evidence, since, config)
+        evidence.update(k, 0, config.memory)  # every draft rejected
+        since = 0 if k else since + 1
+    probes = []
+    for _ in range(8):
+        k = own_depth(evidence, since, config)
+        probes.append(k)
+        since = 0 if k else since + 1
+    assert probes.count(1) == 2 and probes.count(0) == 6  # at k = 0, a k = 1 probe after 3 rounds without drafts
     for _ in range(12):
-        k = max(state.next_depth(), 1)
-        state.update(k, k)  # everything accepted
-    assert state.next_depth() == 6
+        k = max(own_depth(evidence, 0, config), 1)
+        evidence.update(k, k, config.memory)  # everything accepted
+    assert own_depth(evidence, 0, config) == 6
 
 
 def test_disabled_adaptation_always_drafts_max_depth():
-    state = AdaptiveDepth(AdaptiveConfig(max_depth=5, enabled=False))
-    state.update(5, 0)
-    assert state.next_depth() == 5
+    evidence = Acceptance()
+    evidence.update(5, 0, 0.8)
+    assert own_depth(evidence, 0, DepthConfig(max_depth=5, adaptive=False)) == 5
+
+
+def test_depth_cap_shrinks_with_batch_and_queue():
+    config = DepthConfig(verify_token_budget=16, max_depth=4)
+    assert [depth_cap(config, n, 0) for n in (1, 4, 16)] == [4, 3, 0]  # 16 tokens shared by the batch
+    assert depth_cap(config, 1, 2) == 1  # halved per queued verify call
+    assert depth_cap(config.model_copy(update={"shrink_when_queued": False}), 1, 2) == 4
 
 
 def test_lookup_copies_continuation_of_latest_longest_match():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_match
 from speculative.load_control import QUOTE_RUN, StepCosts
@@ -53,7 +53,7 @@ def decoder(
     return SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
         build_drafter(config, draft, VOCAB),
-        AdaptiveConfig(max_depth=max_depth, enabled=adaptive),
+        DepthConfig(max_depth=max_depth, adaptive=adaptive),
         costs=costs,
         quotes=PromptLookupDrafter(config.max_ngram, config.min_ngram) if quotes else None,
     )
@@ -138,7 +138,7 @@ def test_perfect_draft_accepts_everything():
     dec = SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
         build_drafter(DrafterConfig(kind="model"), target, VOCAB),
-        AdaptiveConfig(max_depth=3, enabled=False),
+        DepthConfig(max_depth=3, adaptive=False),
     )
     (out,) = dec.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=17))
     assert out.output == reference_greedy(target, PROMPTS[0], 17)

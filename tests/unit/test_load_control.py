@@ -7,12 +7,16 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from speculative.adaptive import AdaptiveConfig, AdaptiveDepth
-from speculative.decoder import Sequence
+from speculative.depth import DepthConfig
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts, catch_up, choose_depths, plan_depths
+from speculative.load_control import StepCosts, catch_up, plan_depths, record_plan
+from speculative.load_control import choose_depths as choose_planned
 from speculative.sampling import SamplingParams
+from speculative.sequence import Sequence
 from speculative.tree import TokenTree
+
+CONFIG = DepthConfig()
+FREE = DepthConfig(draft_cost=0.0)  # a sequence's own rule drafts as deep as allowed (prompt lookup's)
 
 
 def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
@@ -25,6 +29,26 @@ def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def choose_depths(*args: Any, **kwargs: Any) -> list[int]:
+    """The depths `load_control.choose_depths` chooses (its prediction dropped)."""
+    return choose_planned(*args, **kwargs)[0]
+
+
+def plan(
+    seqs: list[Sequence],
+    c: StepCosts | None,
+    cap: int,
+    config: DepthConfig = CONFIG,
+    quotes_only: bool = False,
+    **kwargs: Any,
+) -> list[int]:
+    """Plan a round and record it on the sequences, as `round.Speculation.plan` does; its depths."""
+    planned = plan_depths(seqs, config, c, cap, quotes_only=quotes_only, **kwargs)
+    record_plan(seqs, planned, quotes_only)
+    return planned.depths
+
 
 # A CPU-like verify: flat to 8 tokens, then linear (MODELS.md, Qwen 1.5B bf16: 190 ms, x2.06 at 32).
 CPU = {1: 0.19, 8: 0.21, 16: 0.28, 32: 0.39, 64: 0.78, 128: 1.56, 256: 3.12}
@@ -111,8 +135,8 @@ def test_a_drafted_token_is_priced_by_a_slope_over_well_spread_sizes() -> None:
 
 
 def test_prefill_rounds_are_measured_by_their_prompt_tokens() -> None:
-    joining = Sequence("a", list(range(10)), SamplingParams(), AdaptiveDepth(AdaptiveConfig()))
-    running = Sequence("b", [1, 2], SamplingParams(), AdaptiveDepth(AdaptiveConfig()))
+    joining = Sequence("a", list(range(10)), SamplingParams())
+    running = Sequence("b", [1, 2], SamplingParams())
     running.stats.steps = 1
     c = StepCosts()
     c.observe_verify([joining, running], [TokenTree.chain(9, []), TokenTree.chain(2, [3, 4, 5])], 0.5)
@@ -123,10 +147,10 @@ def test_catching_up_is_priced_per_token_not_as_a_round() -> None:
     """The draft model prefills a new sequence's prompt, or catches up on one that has not drafted
     for a while: that call measures catching up per token, and a round that needs it pays for it."""
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
-    seq = Sequence("a", list(range(100)), greedy, AdaptiveDepth(AdaptiveConfig()))
+    seq = Sequence("a", list(range(100)), greedy)
     seq.stats.steps = 1  # prefilled by the target (its first round), not yet by the draft model
     c = costs({1: 0.2, 2: 0.2, 8: 0.21}, {})
-    assert plan_depths([seq], c, 2) == [2]  # unmeasured: drafts, and records its catch-up (the prompt)
+    assert plan([seq], c, 2) == [2]  # unmeasured: drafts, and records its catch-up (the prompt)
     assert seq.stats.draft_catch_up == 100
     c.observe_draft([seq], [TokenTree.chain(99, [1, 2])], 2.0)
     assert not c.draft_step.points  # no round cost to subtract yet: the whole call prices catching up
@@ -143,33 +167,32 @@ def test_catching_up_is_priced_per_token_not_as_a_round() -> None:
     seq.output = list(range(60))
     assert catch_up(seq) == 160 - seq.stats.draft_synced
     seq.stats.draft_synced = 100
-    assert plan_depths([seq], c, 4) == [0]  # 0.6 s of catch-up for the 4 tokens left: not worth it
+    assert plan([seq], c, 4) == [0]  # 0.6 s of catch-up for the 4 tokens left: not worth it
     seq.stats.drafted_at = 59  # had it drafted last round, the same drafts would pay
-    assert plan_depths([seq], c, 4) != [0]
+    assert plan([seq], c, 4) != [0]
     seq.params = SamplingParams(temperature=0.0, max_tokens=1000)
     seq.stats.drafted_at = 10  # with 940 tokens to go, catching up is paid back many times over
-    assert plan_depths([seq], c, 4) != [0]
+    assert plan([seq], c, 4) != [0]
 
 
 def test_new_sequences_start_from_the_lanes_acceptance_not_a_constant() -> None:
     """The lane has seen 1 in 4 drafts accepted, so sequences that just joined do not draft on the
     configured prior (0.7) alone; a sequence's own evidence takes over as it comes."""
     c = costs({1: 0.2, 4: 0.2, 16: 0.2, 32: 0.25}, {1: 0.03, 4: 0.06})  # a drafted token: 0.06 s / 4
-    config = AdaptiveConfig()
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
-    fresh = [Sequence(f"s{i}", [1, 2, 3], greedy, AdaptiveDepth(config)) for i in range(4)]
+    fresh = [Sequence(f"s{i}", [1, 2, 3], greedy) for i in range(4)]
     for seq in fresh:
         seq.stats.steps = 1  # past their prefill round
-    assert plan_depths(fresh, c, 4) != [0] * 4  # nothing pooled yet: the configured prior drafts
+    assert plan(fresh, c, 4) != [0] * 4  # nothing pooled yet: the configured prior drafts
     for _ in range(50):  # drafts of 1 token, one in four kept
         c.observe_verify(fresh, [TokenTree.chain(3, [7])] * 4, 0.2, [1, 0, 0, 0])
     assert c.acceptance_prior(0.7) == pytest.approx(0.25, abs=0.06)
-    assert plan_depths(fresh, c, 4) == [0] * 4
-    quoting = fresh[0].depth
+    assert plan(fresh, c, 4) == [0] * 4
+    quoting = fresh[0].acceptance
     for _ in range(10):
-        quoting.update(4, 4)  # this sequence's own drafts all land
-    assert plan_depths(fresh, c, 4)[0] > 0
-    assert quoting.acceptance_with(0.7) == pytest.approx(quoting.acceptance)
+        quoting.update(4, 4, CONFIG.memory)  # this sequence's own drafts all land
+    assert plan(fresh, c, 4)[0] > 0
+    assert quoting.estimate(0.25) == pytest.approx(quoting.estimate(0.7), abs=0.03)  # its own evidence rules
 
 
 def test_a_sequence_s_first_round_is_its_prefill_alone() -> None:
@@ -177,19 +200,15 @@ def test_a_sequence_s_first_round_is_its_prefill_alone() -> None:
     starts: the first token (and a batch's whole round) waits. Greedy sequences draft from round two;
     sampled drafts, whose depth must not depend on load, keep theirs."""
     c = costs({1: 0.2, 2: 0.2, 4: 0.2, 16: 0.2, 64: 0.25}, {1: 0.01, 4: 0.01})
-    joining = Sequence(
-        "new", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig())
-    )
-    running = Sequence(
-        "old", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig())
-    )
+    joining = Sequence("new", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64))
+    running = Sequence("old", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64))
     running.stats.steps, running.stats.drafted_at = 5, 4  # drafted last round: nothing to catch up
-    assert plan_depths([joining], c, 4) == [0]
-    depths = plan_depths([joining, running], c, 4)
+    assert plan([joining], c, 4) == [0]
+    depths = plan([joining, running], c, 4)
     assert depths[0] == 0 and depths[1] > 0
-    assert plan_depths([joining], None, 4) != [0]  # no load control: depth by acceptance alone
-    sampled = Sequence("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64), AdaptiveDepth(AdaptiveConfig()))
-    assert plan_depths([sampled], c, 4) != [0]
+    assert plan([joining], None, 4) != [0]  # no load control: depth by acceptance alone
+    sampled = Sequence("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64))
+    assert plan([sampled], c, 4) != [0]
 
 
 def test_a_request_caps_its_own_depth_and_zero_turns_speculation_off() -> None:
@@ -197,8 +216,7 @@ def test_a_request_caps_its_own_depth_and_zero_turns_speculation_off() -> None:
     c = costs({1: 0.2, 2: 0.2, 4: 0.2, 16: 0.2, 64: 0.25}, {1: 0.01, 4: 0.01})
 
     def seq(name: str, **params: Any) -> Sequence:
-        depth = AdaptiveDepth(AdaptiveConfig(draft_cost=0.0))  # on its own, as deep as allowed
-        s = Sequence(name, [1, 2, 3], SamplingParams(max_tokens=64, **params), depth)
+        s = Sequence(name, [1, 2, 3], SamplingParams(max_tokens=64, **params))
         s.stats.steps, s.stats.drafted_at = 5, 4
         return s
 
@@ -209,7 +227,7 @@ def test_a_request_caps_its_own_depth_and_zero_turns_speculation_off() -> None:
             seq("c", temperature=greedy, max_draft_tokens=0),
         )
         for control in (None, StepCosts(), c):
-            depths = plan_depths([free, one, off], control, 4)
+            depths = plan([free, one, off], control, 4, config=FREE)  # on its own, as deep as allowed
             assert depths[0] > 1 and depths[1] == 1 and depths[2] == 0, (greedy, control, depths)
     with pytest.raises(ValidationError, match="max_draft_tokens"):
         SamplingParams(max_draft_tokens=-1)
@@ -218,14 +236,13 @@ def test_a_request_caps_its_own_depth_and_zero_turns_speculation_off() -> None:
 def test_drafting_that_does_not_deliver_what_was_predicted_stops_and_is_tried_again_later() -> None:
     c = costs({1: 0.2, 4: 0.2, 16: 0.22}, {4: 0.06})  # drafting predicted about 1.5x plain
     wants, acc = [4] * 4, [0.8] * 4
-    assert choose_depths(wants, acc, c, 4) != [0] * 4
-    predicted = c.last_predicted
-    assert predicted is not None
+    depths, predicted = choose_planned(wants, acc, c, 4)
+    assert depths != [0] * 4 and predicted is not None
     base, drafted = predicted.base, predicted.drafted
     for _ in range(20):  # each drafting round commits 2 of the ~8 drafted tokens expected (lucky estimates)
         c.observe_round(predicted, int(base) + 2)
     assert c.calibration == pytest.approx(2 / drafted, abs=0.03)
-    assert choose_depths(wants, acc, c, 4) == [0] * 4 and c.last_predicted is None
+    assert choose_planned(wants, acc, c, 4) == ([0] * 4, None)
     for _ in range(250):  # plain rounds: the calibration drifts back, and drafting is tried again
         c.verify.observe(4, 0.2)
         c.observe_round(None, 4)
@@ -237,11 +254,10 @@ def test_draft_calls_slower_than_planned_make_drafting_pricier_until_they_are_no
     spread it over the rounds left: the calls take longer than planned, and drafting stops paying."""
     c = costs({1: 0.2, 4: 0.2, 16: 0.22}, {4: 0.06})
     wants, acc = [4] * 4, [0.8] * 4
-    seqs = [Sequence(f"s{i}", [1, 2, 3], GREEDY, AdaptiveDepth(AdaptiveConfig())) for i in range(4)]
+    seqs = [Sequence(f"s{i}", [1, 2, 3], GREEDY) for i in range(4)]
     trees = [TokenTree.chain(3, [7, 8, 9])] * 4
-    assert choose_depths(wants, acc, c, 4) == [3] * 4
-    planned = c.last_predicted
-    assert planned is not None and planned.draft_seconds == pytest.approx(0.18)
+    depths, planned = choose_planned(wants, acc, c, 4)
+    assert depths == [3] * 4 and planned is not None and planned.draft_seconds == pytest.approx(0.18)
     c.observe_draft(seqs, trees, planned.draft_seconds, planned)  # as planned: no change
     assert c.draft_calibration == pytest.approx(1.0)
     for seq in seqs:
@@ -260,7 +276,7 @@ def test_a_lane_whose_first_drafts_missed_keeps_trying() -> None:
     """Prompt lookup's first match after a chat prompt is often junk: one missed round must not set
     the lane's acceptance (and so every sequence's) to zero for good."""
     c = StepCosts()
-    seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), AdaptiveDepth(AdaptiveConfig()))
+    seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0))
     c.observe_verify([seq], [TokenTree.chain(3, [7, 8, 9, 10])], 0.2, [0])
     assert c.acceptance_prior(0.7) == pytest.approx(0.56)
 
@@ -270,22 +286,22 @@ def test_a_sequence_held_at_zero_probes_when_a_probe_is_cheap() -> None:
     the quoted code it writes next is what its drafter guesses best: on every probe_every-th round,
     sequences held at 0 that long draft one token, if that makes the round at most probe_cost longer."""
     greedy = SamplingParams(temperature=0.0, max_tokens=200)
-    seq = Sequence("a", [1, 2, 3], greedy, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
-    seq.depth.accepted, seq.depth.trials, seq.depth.prior_weight = 1.5, 10.0, 0.0  # acceptance 0.15
+    seq = Sequence("a", [1, 2, 3], greedy)
+    seq.acceptance.accepted, seq.acceptance.trials, seq.acceptance.prior_weight = 1.5, 10.0, 0.0  # 0.15
     seq.stats.steps, seq.stats.drafted_at = 20, 11  # 9 rounds at 0
     # Prompt lookup (free drafts); a second token costs the forward 2.5 %: drafting at a = 0.15, in a
     # lane whose drafts delivered a tenth of what was expected, does not pay; a probe costs less than
     # probe_cost (and is how the lane finds out whether this sequence's drafts land now).
     mild = costs({1: 0.2, 2: 0.205, 4: 0.24, 8: 0.25}, {1: 0.0001})
     mild.calibration = 0.1
-    assert plan_depths([seq], mild, 4) == [0]  # not a probe round
-    mild.rounds = mild.probe_every - 1  # the next round is one
-    assert plan_depths([seq], mild, 4) == [1]
+    assert plan([seq], mild, 4, FREE) == [0]  # not a probe round
+    mild.rounds = FREE.probe_every - 1  # the next round is one
+    assert plan([seq], mild, 4, FREE) == [1]
     assert seq.stats.drafted_at == 20  # the probe counts as drafting: not due again for 8 rounds
     seq.stats.drafted_at = 11
     steep = costs({1: 0.2, 2: 0.4, 4: 0.45, 8: 0.5}, {1: 0.0001})  # a second token doubles the forward
-    steep.rounds = steep.probe_every - 1
-    assert plan_depths([seq], steep, 4) == [0]
+    steep.rounds = FREE.probe_every - 1
+    assert plan([seq], steep, 4, FREE) == [0]
 
 
 def test_no_probe_where_even_good_drafts_would_not_pay() -> None:
@@ -297,7 +313,7 @@ def test_no_probe_where_even_good_drafts_would_not_pay() -> None:
     due = {0: 0.0}  # sequence 0 is due a probe, nothing to catch up on (lookup)
     for slope, probes in [(0.017, False), (0.005, True)]:
         c = costs({32: 0.78, 64: 0.78 + 32 * slope}, {1: 0.0001, 32: 0.0001})
-        depths = choose_depths([4] * 32, [0.15] * 32, c, 4, probes=due, min_gains=[c.lookup_min_gain] * 32)
+        depths = choose_depths([4] * 32, [0.15] * 32, c, 4, probes=due, min_gains=[CONFIG.lookup_min_gain] * 32)
         assert depths == [int(probes)] + [0] * 31, slope
 
 
@@ -309,7 +325,7 @@ def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     lookup = PromptLookupDrafter(max_ngram=3)
 
     def seq(name: str, tokens: list[int]) -> Sequence:
-        s = Sequence(name, tokens, GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
+        s = Sequence(name, tokens, GREEDY)
         s.stats.steps, s.stats.drafted_at = 5, 4
         return s
 
@@ -318,7 +334,7 @@ def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     chance = seq("c", [20, 21, 22, 23, 24, 25, 26, 27, 28, 21])  # only "21" seen before
     short = seq("s", [30, 7, 7, 7, 7])  # "7 7 7" seen one token back: one token (7) follows
     nothing = seq("n", [40, 41, 42, 43, 44, 45, 46, 47, 48, 49])
-    assert plan_depths([quoting, chance, short, nothing], StepCosts(), 4, lookup=lookup) == [4, 4, 1, 0]
+    assert plan([quoting, chance, short, nothing], StepCosts(), 4, FREE, lookup=lookup) == [4, 4, 1, 0]
     assert [s.stats.lookup_run for s in (quoting, chance, short, nothing)] == [8, 1, 2, 0]  # run classes
 
     # A CPU under load (16 sequences, a drafted token costs a fifth of a decode step's share), where
@@ -332,15 +348,15 @@ def test_prompt_lookup_depths_follow_each_sequence_s_match() -> None:
     quoting.stats.lookup_tally.clear()
     for _ in range(3):
         c.observe_verify([quoting], [TokenTree.chain(7, [99])], 0.2, [0])
-        quoting.depth.update(1, 0)  # as the decoder records it at commit
+        quoting.acceptance.update(1, 0, FREE.memory)  # as the round records it when it settles
     assert c.acceptance_prior(0.7, 8) > 0.9 and c.acceptance_prior(0.7, 1) < 0.2
     c.verify.observe(16, CPU[16])  # a plain round of 16 just measured (what drafting is weighed against)
     batch = [quoting] + [seq(f"c{i}", chance.tokens) for i in range(15)]
-    depths = plan_depths(batch, c, 4, lookup=lookup)
+    depths = plan(batch, c, 4, FREE, lookup=lookup)
     assert depths[0] == 4 and depths[1:] == [0] * 15
     # Blind to the matches, it is the other way round: the quoting sequence is held back by its own
     # misses, and the chance matches draft on the lane's record (mostly the quoting drafts).
-    blind = plan_depths(batch, c, 4)
+    blind = plan(batch, c, 4, FREE)
     assert blind[0] == 0 and all(blind[1:])
 
 
@@ -353,13 +369,12 @@ def test_quoted_lookup_drafts_pay_the_common_margin() -> None:
     c = costs({16: 0.19, 32: 0.28}, {16: 0.0001})  # 11.9 ms per plain token, 5.6 ms per drafted one
     quoted = [*range(100, 116), *range(100, 110)]  # a run of 10: class 8
     chance = [*range(200, 230), 205]  # "205" seen once before: class 1
-    lookup_depth = AdaptiveConfig(draft_cost=0.0)
-    batch = [Sequence(f"s{i}", quoted if i < 2 else chance, GREEDY, AdaptiveDepth(lookup_depth)) for i in range(16)]
+    batch = [Sequence(f"s{i}", quoted if i < 2 else chance, GREEDY) for i in range(16)]
     for s in batch:
         s.stats.steps, s.stats.drafted_at = 5, 4
     for run in (8, 1):  # the lane: 95 % of both kinds of draft landed
         c.pooled_by_match[run] = (95.0, 100.0)
-    depths = plan_depths(batch, c, 4, lookup=lookup)
+    depths = plan(batch, c, 4, FREE, lookup=lookup)
     assert [s.stats.lookup_run for s in batch[:3]] == [8, 8, 1]
     assert depths[:2] == [4, 4] and depths[2:] == [0] * 14
 
@@ -372,18 +387,18 @@ def test_prompt_lookup_drafts_are_free_and_never_wait_for_a_draft_measurement() 
     lookup lane must not (a cold lane at c = 16 did so for three rounds: 54 drafted tokens, most
     missed)."""
     lookup = PromptLookupDrafter(max_ngram=3)
-    quoting = Sequence("q", list(range(40)) + [5, 6, 7], GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0)))
+    quoting = Sequence("q", list(range(40)) + [5, 6, 7], GREEDY)
     quoting.stats.steps = 1  # prefilled; never drafted
     c = costs(CPU, {})
-    (depth,) = plan_depths([quoting], c, 4, lookup=lookup)
+    (depth,) = plan([quoting], c, 4, FREE, lookup=lookup)
     assert depth == 4 and quoting.stats.draft_catch_up == 0  # a quote at one stream: as deep as allowed
     c.observe_draft([quoting], [TokenTree.chain(7, [8, 9, 10, 11])], 0.0004)
     assert not c.draft_step.points and c.draft_token is None  # nothing measured
     chance = [*range(200, 230), 205]  # "205" seen once before: a chance match
-    batch = [Sequence(f"c{i}", chance, GREEDY, AdaptiveDepth(AdaptiveConfig(draft_cost=0.0))) for i in range(16)]
+    batch = [Sequence(f"c{i}", chance, GREEDY) for i in range(16)]
     for s in batch:
         s.stats.steps = 1
-    assert plan_depths(batch, c, 4, lookup=lookup) == [0] * 16  # weighed at once: chance drafts do not pay
+    assert plan(batch, c, 4, FREE, lookup=lookup) == [0] * 16  # weighed at once: chance drafts do not pay
 
 
 def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
@@ -392,7 +407,7 @@ def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
     70-token prompt to draft are seen to cost that; left unpriced, as before, catching up cost nothing
     in every plan until a call came after a measured round (traced at c = 16: a round of 16 such
     drafts planned at 83 ms took 1.5 s)."""
-    seqs = [Sequence(f"s{i}", list(range(70)), GREEDY, AdaptiveDepth(AdaptiveConfig())) for i in range(16)]
+    seqs = [Sequence(f"s{i}", list(range(70)), GREEDY) for i in range(16)]
     for s in seqs:
         s.stats.steps, s.stats.draft_catch_up = 1, 70
     c = costs({16: 0.27, 32: 0.39, 80: 0.9, 1120: 5.6}, {})
@@ -415,10 +430,10 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
     lookup = PromptLookupDrafter(max_ngram=3)
     quoted = [*range(100, 116), *range(100, 110)]  # the prompt 100..115 quoted for 10 tokens: a run of 10
     chance = [*range(200, 230), 205]  # "205" seen once before: a run of 1
-    model_depth = AdaptiveConfig(draft_cost=0.35, prior_acceptance=0.3)  # on its own, the model drafts nothing
+    model_depth = DepthConfig(draft_cost=0.35, prior_acceptance=0.3)  # on its own, the model drafts nothing
 
     def seq(name: str, tokens: list[int], params: SamplingParams = GREEDY) -> Sequence:
-        s = Sequence(name, tokens, params, AdaptiveDepth(model_depth))
+        s = Sequence(name, tokens, params)
         s.stats.steps, s.stats.drafted_at, s.stats.draft_synced = 5, 4, len(tokens) - 1
         return s
 
@@ -426,11 +441,33 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
     batch = [seq("q", quoted), seq("s", quoted, sampled)] + [seq(f"c{i}", chance) for i in range(14)]
     c = costs(CPU, {16: 0.06, 2: 0.03})  # 60 ms a unit of depth for 16 sequences: the model does not pay
     c.pooled_accepted, c.pooled_trials = 30.0, 100.0
-    depths = plan_depths(batch, c, 4, lookup=lookup, quotes_only=True)
+    depths = plan(batch, c, 4, model_depth, lookup=lookup, quotes_only=True)
     assert [s.stats.lookup_run for s in batch[:3]] == [8, 0, 0]  # only the greedy quote drafts by lookup
     assert depths[0] == 4 and depths[2:] == [0] * 14
     assert batch[0].stats.draft_synced == len(quoted) - 1  # the draft model has not seen this round
     # Without lookup beside it, the quoting sequence is the model's, and the model is priced out.
     for s in batch:
         s.stats.lookup_run = 0
-    assert plan_depths(batch, c, 4)[0] == 0
+    assert plan(batch, c, 4, model_depth)[0] == 0
+
+
+def test_planning_changes_nothing_until_the_round_records_it() -> None:
+    """The plan is a pure function of the sequences and the measured costs: planning twice gives the same
+    plan, and neither the sequences nor the costs change until `record_plan` (or settling) says so."""
+    import copy
+
+    lookup = PromptLookupDrafter(max_ngram=3)
+    quoting = Sequence("q", [*range(5, 17), 40, 41, *range(5, 15)], GREEDY)
+    held = Sequence("h", list(range(60, 100)), GREEDY)
+    quoting.stats.steps, quoting.stats.drafted_at = 5, 4
+    held.stats.steps, held.stats.drafted_at = 30, 3  # due a probe
+    c = costs(CPU | {2: 0.19}, {2: 0.01})  # a plain round of 2 measured
+    c.rounds = CONFIG.probe_every - 1  # a probe round
+    c.pooled_by_match[8] = (95.0, 100.0)  # the lane's quotes have landed
+    before = copy.deepcopy((quoting, held, c))
+    first = plan_depths([quoting, held], CONFIG, c, 4, lookup=lookup)
+    assert plan_depths([quoting, held], CONFIG, c, 4, lookup=lookup) == first
+    assert copy.deepcopy((quoting, held, c)) == before
+    assert first.runs[0] == 8 and first.depths[0] > 0  # (a quote, drafted by lookup)
+    record_plan([quoting, held], first, quotes_only=False)
+    assert quoting.stats.lookup_run == 8 and quoting.stats.drafted_at == 5

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench.oracle import OracleDrafter
-from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
 from speculative.drafters.base import DraftRequest
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
@@ -21,16 +21,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def target_and_refs():
     target = tiny_model("llama")
-    plain = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), None, AdaptiveConfig())
+    plain = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), None, DepthConfig())
     refs = [p + s.output for p, s in zip(PROMPTS, plain.generate(PROMPTS, GREEDY), strict=True)]
     return target, refs
 
 
 def run_oracle(target, refs, acceptance: float, k: int):
     oracle = OracleDrafter(refs, acceptance, VOCAB, seed=3)
-    decoder = SpeculativeDecoder(
-        TargetVerifier(ModelRunner(target)), oracle, AdaptiveConfig(enabled=False, max_depth=k)
-    )
+    decoder = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), oracle, DepthConfig(adaptive=False, max_depth=k))
     return decoder.generate(PROMPTS, GREEDY), oracle
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.loading import LoadedModel, load_model, truncated_copy
 from speculative.runner import ModelRunner
@@ -55,7 +55,7 @@ def check_exact(target: LoadedModel, draft_model, new_tokens: int, prompts: list
         decoder = SpeculativeDecoder(
             TargetVerifier(ModelRunner(target.model)),
             build_drafter(config, draft_model, target.model.config.vocab_size),
-            AdaptiveConfig(max_depth=4),
+            DepthConfig(max_depth=4),
             eos_ids=target.eos_ids,
         )
         outs = decoder.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.adaptive import AdaptiveConfig
 from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
@@ -25,7 +25,7 @@ def pair():
 def run(pair, config: DrafterConfig, prompts, params) -> list[list[int]]:
     target, draft = pair
     dec = SpeculativeDecoder(
-        TargetVerifier(ModelRunner(target)), build_drafter(config, draft, VOCAB), AdaptiveConfig(max_depth=4)
+        TargetVerifier(ModelRunner(target)), build_drafter(config, draft, VOCAB), DepthConfig(max_depth=4)
     )
     plist = params if isinstance(params, list) else [params] * len(prompts)
     return [s.output for s in dec.generate(prompts, plist)]
@@ -80,7 +80,7 @@ def test_stop_token_ids_and_max_tokens(pair):
     dec = SpeculativeDecoder(
         TargetVerifier(ModelRunner(target_)),
         build_drafter(CONFIGS["chain-rejection"], draft, VOCAB),
-        AdaptiveConfig(max_depth=4),
+        DepthConfig(max_depth=4),
     )
     (out,) = dec.generate([PROMPTS[0]], params)
     assert out.output == ref[: first + 1] and out.finish_reason == "stop"
@@ -100,7 +100,7 @@ def test_stop_strings_cut_text(pair):
     dec = SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
         build_drafter(CONFIGS["lookup"], draft, VOCAB),
-        AdaptiveConfig(max_depth=4),
+        DepthConfig(max_depth=4),
         decode=decode,
     )
     (out,) = dec.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=20, stop=(stop,)))

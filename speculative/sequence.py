@@ -1,0 +1,63 @@
+"""A sequence in flight: its tokens, sampling parameters, counters and acceptance evidence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from speculative.depth import Acceptance
+from speculative.sampling import SamplingParams
+from speculative.stopping import check_stop
+from speculative.tree import TokenTree
+
+
+@dataclass
+class SequenceStats:
+    steps: int = 0  # target forwards (verify steps) this sequence took part in
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
+    drafted_at: int = -2  # `steps` when it last drafted
+    draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
+    lookup_run: int = 0  # prompt lookup: the `run_class` of its last planned draft's match (0: none)
+    lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per target step, bonus included."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_end: int | None = None
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts' decayed accept/reject evidence
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def commit(
+        self,
+        tree: TokenTree | None,
+        tokens: tuple[int, ...],
+        n_accepted: int,
+        eos_ids: frozenset[int],
+        decode: Callable[[list[int]], str] | None,
+    ) -> list[int]:
+        """Record one verified step: stats, output cut at a stop. Returns the new tokens."""
+        self.stats.steps += 1
+        self.stats.drafted += tree.size if tree is not None else 0
+        self.stats.accepted += n_accepted
+        before = len(self.output)
+        self.output += tokens
+        stop = check_stop(self.output, len(tokens), self.params, eos_ids, decode)
+        del self.output[stop.keep :]
+        self.finish_reason, self.text_end = stop.reason, stop.text_end
+        return self.output[before:]
