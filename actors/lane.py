@@ -314,7 +314,8 @@ class Lane:
                 return 0
             depth = speculation.own(seq, group_size, self.target_waiting)
         elif group_size == 1 and tree is not None and tree.size:
-            plan = speculation.depths([seq], 1, self.target_waiting, overlapped=True)
+            # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
+            plan = speculation.depths([seq], 1, self.target_waiting, overlapped=True, extra_levels=1)
             if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
                 return 0
             depth = plan.depths[0]

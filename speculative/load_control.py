@@ -287,6 +287,7 @@ def choose_depths(
     probes: dict[int, float] | None = None,  # sequences due a probe -> tokens their draft must catch up on
     min_gains: list[float] | None = None,  # [n] the margin on each sequence's drafted tokens; None: min_gain
     free: list[bool] | None = None,  # [n] True: drafts by prompt lookup (no draft call to pay for)
+    extra_levels: int = 0,  # draft forwards beyond the depth (a pre-draft also drafts its guess of the bonus)
 ) -> tuple[list[int], Planned | None]:
     """Per-sequence depths within min(want, cap) with the most expected tokens per second, and the
     round's prediction (None where the round is not priced: unmeasured, plain, or only uncapped drafts).
@@ -319,23 +320,26 @@ def choose_depths(
         return depths, None  # a plain round measures it (the alternative every choice is weighed against)
     catch = catch_ups or [0] * n
     margins = min_gains or [config.min_gain] * n
-    chosen, plain, drafted = _best_depths(wants, acceptances, costs, cap, overlapped, capped, catch, margins, free)
+    extra = extra_levels
+    chosen, plain, drafted = _best_depths(
+        wants, acceptances, costs, cap, overlapped, capped, catch, margins, free, extra
+    )
     predicted = None  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
     if drafted:
-        predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch, free))
+        predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch, free, extra))
     probes = probes or {}
     due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
     if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
         hope = set(due)
         hoped = [max(a, config.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
-        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins, free)
+        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins, free, extra)
         due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
     if due:
         full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
-        limit = _seconds(chosen, costs, overlapped, full, free) * (1 + config.probe_cost)
+        limit = _seconds(chosen, costs, overlapped, full, free, extra) * (1 + config.probe_cost)
         for i in sorted(due, key=lambda i: -acceptances[i]):
             chosen[i] = 1
-            if _seconds(chosen, costs, overlapped, full, free) > limit:
+            if _seconds(chosen, costs, overlapped, full, free, extra) > limit:
                 chosen[i] = 0
     return chosen, predicted
 
@@ -350,6 +354,7 @@ def _best_depths(
     catch: list[float],
     margins: list[float],
     free: list[bool],
+    extra: int,
 ) -> tuple[list[int], float, float]:
     """The depths with the most expected tokens per second (costs measured), the expected tokens of
     the round without the load-capped drafts, and those the chosen drafts add (undiscounted). A drafted
@@ -366,11 +371,11 @@ def _best_depths(
         key=lambda g: -g[0],
     )
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, base, strict=True))
-    best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch, free), 0.0
+    best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch, free, extra), 0.0
     for m, (counted, _, i) in enumerate(gains, start=1):
         depths[i] += 1
         drafted += counted
-        rate = _rate(plain + drafted * costs.calibration, depths, costs, overlapped, catch, free)
+        rate = _rate(plain + drafted * costs.calibration, depths, costs, overlapped, catch, free, extra)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = list(base)
@@ -380,28 +385,36 @@ def _best_depths(
 
 
 def _rate(
-    tokens: float, depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float], free: list[bool]
+    tokens: float,
+    depths: list[int],
+    costs: StepCosts,
+    overlapped: bool,
+    catch: list[float],
+    free: list[bool],
+    extra: int = 0,
 ) -> float:
     """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
-    return tokens / max(_seconds(depths, costs, overlapped, catch, free), 1e-9)
+    return tokens / max(_seconds(depths, costs, overlapped, catch, free, extra), 1e-9)
 
 
-def _seconds(depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float], free: list[bool]) -> float:
+def _seconds(
+    depths: list[int], costs: StepCosts, overlapped: bool, catch: list[float], free: list[bool], extra: int = 0
+) -> float:
     """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence."""
     nodes = (d if f else round(costs.nodes_per_depth * d) for d, f in zip(depths, free, strict=True))  # lookup: chains
     verify = costs.verify(sum(1 + x for x in nodes)) or 0.0
-    draft = _draft_seconds(depths, costs, catch, free) * costs.draft_calibration
+    draft = _draft_seconds(depths, costs, catch, free, extra) * costs.draft_calibration
     return max(verify, draft) if overlapped else verify + draft
 
 
-def _draft_seconds(depths: list[int], costs: StepCosts, catch: list[float], free: list[bool]) -> float:
+def _draft_seconds(depths: list[int], costs: StepCosts, catch: list[float], free: list[bool], extra: int = 0) -> float:
     """The draft call's seconds by the curves (uncalibrated): a round over the sequences the draft model
-    drafts (not those drafting by lookup: `free`)."""
+    drafts (not those drafting by lookup: `free`), `extra` forwards beyond the deepest depth."""
     modelled = [d if not f else 0 for d, f in zip(depths, free, strict=True)]
     drafting = sum(1 for d in modelled if d)
     if not drafting:
         return 0.0
-    draft = (costs.draft_step(drafting) or 0.0) * max(modelled)
+    draft = (costs.draft_step(drafting) or 0.0) * (max(modelled) + extra)
     if costs.draft_token:
         draft += costs.draft_token * sum(c for c, d in zip(catch, modelled, strict=True) if d)
     return draft
@@ -425,6 +438,7 @@ def plan_depths(
     drafts_sampled: bool = True,
     lookup: PromptLookupDrafter | None = None,
     quotes_only: bool = False,
+    extra_levels: int = 0,
 ) -> Plan:
     """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
     `costs` (and `config.load_adaptive`) within the load cap too, except for sequences whose tokens
@@ -438,7 +452,8 @@ def plan_depths(
     tokens do not depend on the drafter (greedy, or deterministic drafts: `capped`); the draft model
     drafts the rest. Under load, where a draft model no longer pays (its forwards and catching up cost
     about what its accepted tokens save), quotes still do. `Plan.runs` says which drafter a sequence's
-    depth is for: a match's run class for lookup, 0 for the draft model.
+    depth is for: a match's run class for lookup, 0 for the draft model. `extra_levels`: draft forwards
+    the call makes beyond the depth (a pre-draft, `ahead.ahead_request`, drafts its guess first).
     """
     priced = costs if config.load_adaptive else None
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
@@ -500,7 +515,7 @@ def plan_depths(
     # margin, so a sequence quoting its prompt drafts under load.
     margins = [config.lookup_min_gain if run and run < QUOTE_RUN else config.min_gain for run in runs]
     depths, predicted = choose_depths(
-        wants, acceptances, priced, cap, overlapped, capped, charged, probes, margins, free
+        wants, acceptances, priced, cap, overlapped, capped, charged, probes, margins, free, extra_levels
     )
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         predicted = None

@@ -61,11 +61,15 @@ class Speculation:
     eos_ids: frozenset[int] = frozenset()
     decode: Callable[[list[int]], str] | None = None
 
-    def depths(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Plan:
-        """The plan for `seqs` in a micro-batch of `batch` with `queued` verify calls waiting (pure)."""
+    def depths(
+        self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False, extra_levels: int = 0
+    ) -> Plan:
+        """The plan for `seqs` in a micro-batch of `batch` with `queued` verify calls waiting (pure);
+        `extra_levels`: draft forwards beyond the depth (a pre-draft's guess of the bonus token)."""
         cap = depth_cap(self.config, batch, queued)
+        lookup, quotes = self.lookup, self.quotes_only
         return plan_depths(
-            seqs, self.config, self.costs, cap, overlapped, self.drafts_sampled, self.lookup, self.quotes_only
+            seqs, self.config, self.costs, cap, overlapped, self.drafts_sampled, lookup, quotes, extra_levels
         )
 
     def own(self, seq: Sequence, batch: int, queued: int = 0) -> int:

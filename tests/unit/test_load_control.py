@@ -471,3 +471,12 @@ def test_planning_changes_nothing_until_the_round_records_it() -> None:
     assert first.runs[0] == 8 and first.depths[0] > 0  # (a quote, drafted by lookup)
     record_plan([quoting, held], first, quotes_only=False)
     assert quoting.stats.lookup_run == 8 and quoting.stats.drafted_at == 5
+
+
+def test_a_pre_draft_is_priced_one_forward_deeper_than_its_depth() -> None:
+    """A pre-draft drafts its guess of the bonus token before the depth it is planned for, so beside a
+    verify it costs D(d + 1): where that outlasts the verify, it is planned shallower than a draft of d."""
+    c = costs({1: 0.36, 4: 0.48, 5: 0.5, 8: 0.55}, {1: 0.13})  # a 0.5B draft beside a 1.5B target, 1 core each
+    wants, acc = [4], [0.9]
+    assert choose_depths(wants, acc, c, 4, overlapped=True) == [4]  # D(4) = 0.52 hides behind V(5) = 0.5
+    assert choose_depths(wants, acc, c, 4, overlapped=True, extra_levels=1) == [3]  # D(5) = 0.65 would not
