@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from ray.exceptions import OutOfMemoryError
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
@@ -247,3 +248,22 @@ def test_a_verify_that_fails_mid_forward_does_not_poison_the_group(tiny_pair: Ti
 
     tokens = asyncio.run(scenario())
     assert tokens[-1] == hf_greedy(tiny_pair.target, list(prompt) + tokens[:-1], 1)[0]
+
+
+def test_a_verify_killed_for_memory_is_not_retried_and_says_so(tiny_pair: TinyPair) -> None:
+    """Ray's memory monitor killed the shard mid-forward: retrying the same forward would kill the replacement."""
+    router = make_router(tiny_pair)
+    inner = router._target
+
+    class OutOfMemoryOnce(Flaky):
+        async def call(self, method: str, lane: str | None, *args: object) -> object:
+            if method == "verify" and self.calls == 0:
+                self.calls += 1
+                raise OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
+            return await self.inner.call(method, lane, *args)
+
+    router._target = OutOfMemoryOnce(inner, "verify", set())  # type: ignore[arg-type,assignment]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(router.generate([5, 17, 33], {"temperature": 0.0, "max_tokens": 4}))
+    again = asyncio.run(router.generate([5, 17, 33], {"temperature": 0.0, "max_tokens": 4}))
+    assert again["token_ids"] == hf_greedy(tiny_pair.target, [5, 17, 33], 4)
