@@ -171,5 +171,15 @@ class RouterConfig(BaseModel):
         "to draft), so a new prompt's honest catch-up is never taken for a lost replica. A 0.5B draft on one "
         "CPU core prefills ~80 tokens/s in bf16, ~8x under this allowance.",
     )
+    max_stream_s: float = Field(
+        default=600.0,
+        ge=1,
+        le=86_400,
+        description="The longest a request may run, from admission to its last token: one still running then "
+        "ends with an error (an SSE error event with code stream_timeout, gRPC DEADLINE_EXCEEDED). Serve drains a "
+        "router replica it scales down or restarts for this plus a margin (the router deployment's "
+        "graceful_shutdown_timeout_s), so every stream of that replica reaches its end or this error before the "
+        "replica is stopped. 600 s: 32k tokens (a Qwen2.5 context window) at 55 tokens/s.",
+    )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
     depth: DepthConfig = Field(default_factory=DepthConfig, description="The depth controller's knobs.")

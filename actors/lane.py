@@ -38,7 +38,7 @@ from typing import Any
 
 from actors.config import RouterConfig
 from actors.metrics import RouterMetrics
-from actors.pools import Pool, replica_lost
+from actors.pools import Pool, replica_lost, verify_failure
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.ahead import ahead_request, assumed_path, take_ahead
 from speculative.drafters.base import DraftRequest
@@ -396,8 +396,8 @@ class Lane:
         pre = self._start_ahead(g, lives) if ahead else None
         verified = await self._verify_call(g, items)
         self.drafted[g] = False
-        if verified is None:
-            self._fail(g, "target pool unavailable")
+        if isinstance(verified, str):
+            self._fail(g, verified)
             if pre is not None:  # its drafts are for sequences that just failed
                 self._drop(pre)
             return _Half(seqs=len(lives))
@@ -415,7 +415,9 @@ class Lane:
             half.ahead = await self._settle_ahead(pre, verified.work.seconds, verdicts)
         return half
 
-    async def _verify_call(self, g: int, items: list[WireVerifyItem]) -> Verified | None:
+    async def _verify_call(self, g: int, items: list[WireVerifyItem]) -> Verified | str:
+        """The verdicts, or why the verify failed for good (retries spent, or an error retrying cannot fix)."""
+        error: BaseException | None = None
         for attempt in range(self.ctx.config.verify_retries + 1):
             try:
                 verified: Verified = await self.ctx.target.call(
@@ -425,10 +427,11 @@ class Lane:
                 return verified
             except Exception as e:  # the replica was lost: retry; Serve routes to a live one, which re-prefills
                 logger.warning("lane %s: verify attempt %d failed: %r", self.key, attempt + 1, e)
+                error = e
                 if not replica_lost(e):
                     break
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-        return None
+        return verify_failure(error)
 
     def _emit(self, g: int, live: Live, tree: TokenTree, n_accepted: int, new: list[int]) -> int:
         """Stream a settled verdict's new tokens to the client; a finished sequence leaves the lane."""

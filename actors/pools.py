@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 
@@ -20,6 +20,17 @@ def replica_lost(error: BaseException) -> bool:
     """True when a call failed because its replica went away or is full (retry: Serve routes to a live one),
     False when the replica refused the call itself (an error its input causes: retrying cannot help)."""
     return isinstance(error, RayActorError | BackPressureError | DeploymentUnavailableError | ReplicaLost)
+
+
+def verify_failure(error: BaseException | None) -> str:
+    """What the requests of a verify that failed for good are told (their stream's error event).
+
+    A shard that Ray's memory monitor killed mid-forward raises OutOfMemoryError, which is not a lost
+    replica: the same forward on the replacement would run out of memory again, so it is not retried.
+    """
+    if isinstance(error, OutOfMemoryError):
+        return "out of memory: Ray's memory monitor killed the target shard running this batch (not retried)"
+    return "target pool unavailable"
 
 
 class Pool(Protocol):

@@ -37,6 +37,10 @@ class Overloaded(RuntimeError):
     """The router holds `max_active_sequences` already; retry later (HTTP 429 at the front door)."""
 
 
+class StreamTimeout(RuntimeError):
+    """The request ran past `max_stream_s`: ended with this error (the bound on a router replica's drain)."""
+
+
 class Router:
     def __init__(
         self,
@@ -81,9 +85,15 @@ class Router:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks of new tokens as they are committed; the last carries finish_reason and usage."""
         live = await self._admit(prompt_token_ids, sampling or {})
+        limit = self.config.max_stream_s
+        deadline = asyncio.get_running_loop().time() + limit
         try:
             while True:
-                chunk = await live.chunks.get()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await live.chunks.get()
+                except TimeoutError:
+                    raise StreamTimeout(f"the request ran past max_stream_s ({limit:g} s)") from None
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"])
                 yield chunk

@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # deadline for check_health (health_check_timeout_s) is 30 s by default.
 SHARD_PING_TIMEOUT_S = 10.0
 
+# How a call sees a lost shard: its actor died (SIGKILL, a crash, its node), or Ray's memory monitor
+# killed it (OutOfMemoryError, the death cause every later call to that actor gets too).
+SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
+
 
 class Shards(Protocol):
     async def call(self, method: str, *args: Any) -> list[Any]:
@@ -106,16 +110,23 @@ class TargetReplica:
     async def verify(
         self, cache_key: str, items: list[WireVerifyItem], release: list[str], lane: str | None = None
     ) -> Verified:
-        """Verify a micro-batch on every shard; rank 0's verdicts. `lane` is for request routing."""
+        """Verify a micro-batch on every shard; rank 0's verdicts. `lane` is for request routing.
+
+        Once a shard is lost, a call fails as a lost replica (RayActorError), which lanes retry onto the
+        replica Serve starts instead; only the forward the loss interrupted carries its cause (an
+        OutOfMemoryError is not retried: the same forward would run out of memory again).
+        """
         self._waiting += 1
         try:
             await self._lock.acquire()
         finally:
             self._waiting -= 1
         try:
+            if self._failed is not None:  # checked under the lock: a call queued behind the lost forward too
+                raise ray.exceptions.ActorUnavailableError(f"lost a shard ({type(self._failed).__name__})", None)
             results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key))
         except Exception as e:
-            if not isinstance(e, ray.exceptions.RayActorError):
+            if not isinstance(e, SHARD_LOST):
                 # A forward that failed half-way leaves the group's caches mid-speculation: forget them on
                 # every rank, so the next call re-prefills instead of failing on that state forever.
                 await self._on_shards("drop", [cache_key])
@@ -169,12 +180,12 @@ class TargetReplica:
         SHARD_PING_TIMEOUT_S (a process killed while no request ran is found here).
         """
         if self._failed is not None:
-            raise RuntimeError(f"a target shard failed: {self._failed!r}")
+            raise RuntimeError(f"a target shard failed: {type(self._failed).__name__}")
         try:
             await asyncio.wait_for(self.shards.call("ping"), SHARD_PING_TIMEOUT_S)
-        except ray.exceptions.RayActorError as e:
+        except SHARD_LOST as e:
             self._failed = e
-            raise RuntimeError(f"a target shard failed: {e!r}") from e
+            raise RuntimeError(f"a target shard failed: {type(e).__name__}") from e
         except TimeoutError:
             raise RuntimeError(f"a target shard did not answer a ping within {SHARD_PING_TIMEOUT_S:.0f} s") from None
 
@@ -193,7 +204,7 @@ class TargetReplica:
         self._busy.start()
         try:
             return await self.shards.call(method, *args)
-        except ray.exceptions.RayActorError as e:
+        except SHARD_LOST as e:
             self._failed = e
             raise
         finally:

@@ -68,6 +68,8 @@ def build_app(config: AppConfig) -> Application:
         "name": "router",
         "ray_actor_options": {"num_cpus": router_pool.num_cpus},
         "max_ongoing_requests": router_pool.max_ongoing_requests,
+        # It holds the streams: drained until each has ended (at the latest at max_stream_s, with an error).
+        "graceful_shutdown_timeout_s": router_pool.graceful_shutdown_timeout_s,
         **router_pool.autoscaling.serve_options(),
     }
     kwargs = {"tokenizer": config.target_model, "resolve": resolver}

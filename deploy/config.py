@@ -19,6 +19,10 @@ from speculative.drafters.config import DrafterConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
+# A draining router replica's time beyond its longest stream: Serve polls the drain every
+# graceful_shutdown_wait_loop_s (2 s), and the last error events still have to reach the proxy.
+DRAIN_MARGIN_S = 10.0
+
 
 def _custom_only(resources: dict[str, float]) -> dict[str, float]:
     taken = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(resources))
@@ -171,6 +175,12 @@ class RouterPoolConfig(BaseModel):
     )
     router: RouterConfig = Field(default_factory=RouterConfig, description="Lanes, pipelining, retries.")
     autoscaling: Autoscaling = Field(default_factory=lambda: Autoscaling(signal="queue"), description="Replica count.")
+
+    @property
+    def graceful_shutdown_timeout_s(self) -> float:
+        """How long Serve drains a router replica before it stops it: the longest a stream may run
+        (`router.max_stream_s`, after which it ends with an error event) plus `DRAIN_MARGIN_S`."""
+        return self.router.max_stream_s + DRAIN_MARGIN_S
 
 
 class AppConfig(BaseModel):

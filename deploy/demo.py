@@ -170,6 +170,9 @@ def start_local_ray(args: dict[str, Any], apps: int = 1) -> None:
     lines go to its folder."""
     import ray
 
+    from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # Serve's proxies (started by this Ray) read it
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, apps * _logical_cpus(args)),

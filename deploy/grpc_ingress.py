@@ -12,6 +12,7 @@ the wiring). Errors are status codes with details naming the field:
     RESOURCE_EXHAUSTED  the router is full (actors.router.Overloaded); trailing `retry-after` seconds
                         (and "retry after N s" in the details, which survive Serve's proxy on streams);
                         or the request is over `front_door.max_request_bytes` serialized
+    DEADLINE_EXCEEDED   a stream ran past `router_pool.router.max_stream_s` (after the messages sent so far)
 
 Tokenizing runs on the front door's threads (`FrontDoor.off_loop`), as on HTTP.
 
@@ -29,7 +30,7 @@ from typing import Any, Protocol, cast
 import grpc
 from pydantic import ValidationError
 
-from actors.router import Overloaded
+from actors.router import Overloaded, StreamTimeout
 from deploy.frontdoor import (
     Backend,
     Detokenizer,
@@ -148,6 +149,9 @@ class GrpcIngress:
                 if reason is not None:
                     return
                 chunk = await anext(stream)
+        except StreamTimeout as e:  # the messages so far are sent: the status says why the stream ends here
+            GrpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)).apply(grpc_context)
+            raise
         finally:
             await cast(Any, stream).aclose()  # a client that went away: the router cancels the sequence
 

@@ -51,7 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.router import Overloaded
+from actors.router import Overloaded, StreamTimeout
 from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error, param_path, too_large
 from deploy.openai_api import (
     AssistantMessage,
@@ -263,7 +263,8 @@ async def _events(
             chunk = await anext(stream)
     except Exception as e:  # the status line is sent: report in the stream, as OpenAI and vLLM do
         logger.exception("stream failed")
-        error = RequestError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
+        code = "stream_timeout" if isinstance(e, StreamTimeout) else "internal_error"
+        error = RequestError(f"generation failed: {e}", status=500, type="server_error", code=code)
         yield f"data: {ErrorBody.of(error).model_dump_json()}\n\n"
     finally:
         await _close(stream)  # on client disconnect too: the router cancels the sequence

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from ray.exceptions import OutOfMemoryError
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
 from actors.lane import StepRecord
 from actors.pools import LocalPool, ReplicaLost
-from actors.router import Overloaded, Router
+from actors.router import Overloaded, Router, StreamTimeout
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from actors.wire import WireProposal, WireVerifyItem, Work
@@ -232,3 +233,55 @@ def test_a_verify_that_fails_mid_forward_does_not_poison_the_group(tiny_pair: Ti
 
     tokens = asyncio.run(scenario())
     assert tokens[-1] == hf_greedy(tiny_pair.target, list(prompt) + tokens[:-1], 1)[0]
+
+
+class Slow:
+    """A pool whose verify calls take `delay_s` longer (a target under load)."""
+
+    def __init__(self, inner: LocalPool, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    async def call(self, method: str, lane: str | None, *args: object) -> object:
+        if method == "verify":
+            await asyncio.sleep(self.delay_s)
+        return await self.inner.call(method, lane, *args)
+
+
+def test_a_stream_past_max_stream_s_ends_with_stream_timeout_and_is_freed(tiny_pair: TinyPair) -> None:
+    router = make_router(tiny_pair, max_stream_s=1.0)
+    router._target = Slow(router._target, 0.2)  # type: ignore[arg-type,assignment]
+    prompt = [5, 17, 33]
+
+    async def run() -> tuple[list[int], BaseException | None, dict]:
+        tokens: list[int] = []
+        try:
+            async for chunk in router.generate_stream(prompt, {"temperature": 0.0, "max_tokens": 200}):
+                tokens += chunk["token_ids"]
+        except StreamTimeout as e:
+            return tokens, e, await router.generate(prompt, {"temperature": 0.0, "max_tokens": 2})
+        return tokens, None, {}
+
+    tokens, error, short = asyncio.run(run())
+    assert error is not None and "max_stream_s (1 s)" in str(error), "200 rounds of 0.2 s outlive 1 s"
+    assert 0 < len(tokens) < 200 and tokens == hf_greedy(tiny_pair.target, prompt, len(tokens))
+    assert short["token_ids"] == hf_greedy(tiny_pair.target, prompt, 2), "a short one completes"
+    assert not router._live, "the timed-out sequence is freed"
+
+
+def test_a_verify_killed_for_memory_is_not_retried_and_says_so(tiny_pair: TinyPair) -> None:
+    """Ray's memory monitor killed the shard mid-forward: retrying the same forward would kill the replacement."""
+    router = make_router(tiny_pair)
+    inner = router._target
+
+    class OutOfMemoryOnce(Flaky):
+        async def call(self, method: str, lane: str | None, *args: object) -> object:
+            if method == "verify" and self.calls == 0:
+                self.calls += 1
+                raise OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
+            return await self.inner.call(method, lane, *args)
+
+    router._target = OutOfMemoryOnce(inner, "verify", set())  # type: ignore[arg-type,assignment]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(router.generate([5, 17, 33], {"temperature": 0.0, "max_tokens": 4}))
+    again = asyncio.run(router.generate([5, 17, 33], {"temperature": 0.0, "max_tokens": 4}))
+    assert again["token_ids"] == hf_greedy(tiny_pair.target, [5, 17, 33], 4)

@@ -14,6 +14,7 @@ from ray._private.state import actors as gcs_actors  # the GCS's table: needs no
 
 from tests.actors.conftest import shm_op_built, tiny_pair  # noqa: F401  (fixtures shared with tests/actors)
 from tests.actors.serve_helpers import APP
+from tests.front_router import MODEL_NAME
 
 
 def describe(deployment: str) -> dict[str, Any]:
@@ -51,3 +52,16 @@ def actor_rss() -> dict[str, int]:
         if actor["State"] == "ALIVE" and (name == "TargetShard" or name.startswith(f"ServeReplica:{APP}:")):
             out[f"{name.rsplit(':', 1)[-1]}/{pid}"] = psutil.Process(pid).memory_info().rss
     return out
+
+
+def greedy_completion(prompt: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    """A /v1/completions body: greedy, exactly `max_tokens` new tokens, their ids sent back."""
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }

@@ -39,7 +39,7 @@ from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import APP, free_port, local_ray, run_app, wait_until
 from tests.front_router import MODEL_NAME, save_tiny_pair
-from tests.reliability.conftest import actor_rss, describe, target_shard_killer
+from tests.reliability.conftest import actor_rss, describe, greedy_completion, target_shard_killer
 from tests.tiny_models import reference_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -92,16 +92,8 @@ def prompt_of(i: int) -> list[int]:
 
 
 def completion(served: Served, i: int, max_tokens: int) -> tuple[int, float, dict[str, Any], dict[str, str]]:
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt_of(i),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
     start = time.monotonic()
-    r = requests.post(served.http + "/v1/completions", json=body, timeout=120)
+    r = requests.post(served.http + "/v1/completions", json=greedy_completion(prompt_of(i), max_tokens), timeout=120)
     return r.status_code, time.monotonic() - start, r.json(), dict(r.headers)
 
 

@@ -22,6 +22,8 @@ from actors.draft_worker import DraftWorker
 from actors.pools import LocalPool
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
+from deploy.app import build_app
+from deploy.config import DRAIN_MARGIN_S, AppConfig
 from deploy.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
@@ -52,6 +54,14 @@ def test_the_ingress_class_builds_a_serve_application() -> None:
     deployment = serve.deployment(name="router")(serve.ingress()(Ingress))
     app = deployment.bind(FRONT, RouterConfig(), None, None, tokenizer="unused")
     assert isinstance(app, Application)
+
+
+def test_serve_drains_a_router_replica_for_its_longest_stream() -> None:
+    """The router holds the streams: Serve's drain of a replica is max_stream_s plus the margin (not 20 s)."""
+    config = {"target_model": "unused", "drafter": {"kind": "none"}, "router_pool": {"router": {"max_stream_s": 42}}}
+    router = build_app(AppConfig.model_validate(config))._bound_deployment
+    assert router.name == "router"
+    assert router._deployment_config.graceful_shutdown_timeout_s == 42 + DRAIN_MARGIN_S
 
 
 def test_real_router_behind_the_http_front_door(client: TestClient, folders: tuple[Path, Path, Any]) -> None:
