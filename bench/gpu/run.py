@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from bench import gpu_sections as sec
 from bench import report
-from bench.gpu_report import markdown, plot
-from bench.random_models import build_model, confident_init
+from bench.gpu import sections as sec
+from bench.gpu.random_models import build_model, confident_init
+from bench.gpu.report import markdown, plot
 
 NAME = "gpu"
 
