@@ -7,7 +7,7 @@ One run deploys the application on embedded Ray once per mode and drives it at e
 For each it reports throughput (generated tokens/s over the wall time of the whole batch of
 requests), the router's step time split into draft compute, target compute and overhead (time in
 neither: Ray hops, serialization, Python; as a share of step time), tokens per step L, and the
-zero-overhead bound of DESIGN.md: tokens per round / (V + D) sequential, / max(V, D) pipelined.
+zero-overhead bound of docs/design.md: tokens per round / (V + D) sequential, / max(V, D) pipelined.
 
 Resources: the draft replica and the target shard get one CPU and one torch thread each, so the
 two pools can overlap on a 2-core machine; the router and Ray take the remainder.

@@ -6,7 +6,7 @@ One process, same prompts, same machine, each method in turn per dtype:
 - chain / tree / lookup: our speculative decoder;
 - hf-assisted: HF `generate(assistant_model=draft)`, its default schedule.
 Reports tokens/s, acceptance length L (tokens per target step), speedup over the target alone, the
-analytic bound L*T/(V+D) of DESIGN.md (T: target decode step, V: our verify step, D: our draft
+analytic bound L*T/(V+D) of docs/design.md (T: target decode step, V: our verify step, D: our draft
 round, all measured in this run), and whether each prompt's output equals the target's greedy one.
 
     python -m bench.single_stream [--dtypes bfloat16,float32] [--new-tokens 48]

@@ -1,7 +1,7 @@
 """The GPU benchmark's measurements (`python -m bench.gpu`), each through the real speculative core (no Ray).
 
 T: seconds per token of the target alone (our decoder, no drafter); V, D: seconds per step spent
-verifying and drafting; L: tokens committed per target step. Bound = L*T/(V+D) (DESIGN.md).
+verifying and drafting; L: tokens committed per target step. Bound = L*T/(V+D) (docs/design.md).
 """
 
 from __future__ import annotations
