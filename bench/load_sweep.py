@@ -171,7 +171,7 @@ async def level(
     for r in results:  # a request's tokens spread evenly over its streamed chunks
         per_chunk, arrivals = r["tokens"] / max(r["chunks"], 1), r.pop("arrivals")
         r["steady_tokens"] = per_chunk * sum(begin < t <= until for t in arrivals)
-        r["busy_tokens"] = per_chunk * sum(t <= until for t in arrivals)  # the burst in (earlier sweeps)
+        r["busy_tokens"] = per_chunk * sum(t <= until for t in arrivals)  # the burst in: from the level's start
     return {"concurrency": c, "results": results, "window": until - begin, "busy": until - start, "wall": wall}
 
 
@@ -319,7 +319,7 @@ def plot(rows: list[dict[str, Any]], stem: Path) -> None:
     figures.save(fig, stem.with_suffix(".png"))
 
 
-def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def write(args: argparse.Namespace, rows: list[dict[str, Any]], measured_on: dict[str, Any] | None = None) -> None:
     summarize(rows)
     columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "wall vs off", "burst-in vs off", "L"]
     columns += ["TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
@@ -350,7 +350,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "tok/s: output tokens per second while all c clients are busy and past their cold start (from the "
         "last first token of the clients' first requests until the first client runs out of requests: "
         "`steady_window`); wall tok/s: over the whole level, cold start and tail included; burst-in vs off: "
-        "the tok/s ratio with the window starting at the level's start (earlier sweeps' tok/s), which "
+        "the tok/s ratio with the window starting at the level's start, which "
         "weighs the cold-start burst by how soon the window ends. "
         "off@mode: that mode's application with speculation off per request (`max_draft_tokens: 0`). "
         "vs off: tok/s over the same application's off at the same concurrency. L: output tokens per target "
@@ -367,7 +367,8 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     kinds_md = (
         f"\n\nAt c = {min(args.concurrency)}, by prompt kind (tokens over seconds of its requests):\n\n{per_kind}"
     )
-    stem = report.write(NAME, data, intro + report.markdown_table(columns, table) + kinds_md + figure)
+    markdown = intro + report.markdown_table(columns, table) + kinds_md + figure
+    stem = report.write(NAME, data, markdown, measured_on=measured_on)
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 
@@ -387,8 +388,7 @@ def main() -> None:
     parser.add_argument("--render", metavar="JSON", help="only rewrite md/png from an earlier run's JSON")
     args = parser.parse_args()
     if args.render:
-        earlier = json.loads(Path(args.render).read_text())
-        write(argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"])
+        write(*report.earlier_run(args.render))
         return
     shipped = app_args(args, "draft")
     for model in (shipped["target_model"], shipped.get("draft_model")):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -162,8 +161,7 @@ def main() -> None:
     parser.add_argument("--render", metavar="JSON", help="only rewrite md/png from an earlier run's JSON")
     args = parser.parse_args()
     if args.render:
-        earlier = json.loads(Path(args.render).read_text())
-        summarize_and_write(argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"])
+        summarize_and_write(*report.earlier_run(args.render))
         return
     tmp = tempfile.TemporaryDirectory()
     target, draft = tiny_models(Path(tmp.name)) if args.tiny else (args.target, args.draft)
@@ -176,7 +174,7 @@ def main() -> None:
     summarize_and_write(args, rows)
 
 
-def summarize_and_write(args: argparse.Namespace, rows: list[dict]) -> None:
+def summarize_and_write(args: argparse.Namespace, rows: list[dict], measured_on: dict[str, Any] | None = None) -> None:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     for r in rows:
         # Zero-overhead bound: the round's tokens over the time draft or target computed in it,
@@ -216,7 +214,8 @@ def summarize_and_write(args: argparse.Namespace, rows: list[dict]) -> None:
         "same concurrency.\n\n"
     )
     config = {k: v for k, v in vars(args).items()}
-    stem = report.write(NAME, {"config": config, "rows": rows}, intro + report.markdown_table(columns, table))
+    markdown = intro + report.markdown_table(columns, table)
+    stem = report.write(NAME, {"config": config, "rows": rows}, markdown, measured_on=measured_on)
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 

@@ -155,8 +155,8 @@ def oracle_grid(
     """Batch-1 speculation with the oracle at each (acceptance, k); exact = output equals refs.
 
     Each row's T is the target alone (our decoder, no drafter) measured just before it: a launch-bound
-    GPU host drifts by tens of percent over a run, and a T taken once at the start inflated speedups
-    past L (V below T) in an earlier run."""
+    GPU host drifts by tens of percent over a run, so a T taken once at the start can put a speedup
+    past L (V below T)."""
     single_stream(bench, OracleDrafter(refs, 0.8, bench.vocab), max(k for _, k in grid), prompts[:1])  # warm-up
     rows = []
     for acceptance, k in grid:
