@@ -19,7 +19,7 @@ $(PROTO_STUBS) &: proto/specserve.proto
 k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml (tests/unit/test_k8s.py checks they agree)
 	$(PYTHON) -m deploy.k8s render
 
-models: setup  ## fetch + convert the real models of shared/MODELS.md (skipped when present)
+models: setup  ## fetch + convert the real models of docs/models.md (skipped when present)
 	$(PYTHON) -m deploy.models fetch qwen-1.5b qwen-0.5b smollm2-135m
 
 test: models proto  ## the whole suite, as CI runs it

@@ -4,7 +4,7 @@ Workers keep a separate cache owner (a `TargetVerifier` or a drafter, each with 
 `ModelRunner` over the one shared model) per group key `"<router>/<lane>/<group>"`. A forward
 pads every row of its runner, so mixing the two ping-pong halves in one runner would make
 verifying half the sequences cost as much as verifying all of them. Keys also keep router
-replicas apart, as DESIGN.md asks (caches keyed by router replica and sequence).
+replicas apart (caches keyed by router replica and sequence: docs/design.md, "Pools, placement, scaling").
 """
 
 from __future__ import annotations

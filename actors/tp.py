@@ -2,7 +2,7 @@
 
 `join_group` makes the calling process rank `rank` of a `torch.distributed` group (gloo on CPU,
 NCCL on GPU) through DeepSpeed, which also builds its CPU shared-memory all-reduce op: that
-compile happens once per `TORCH_EXTENSIONS_DIR` and is cached (shared/MODELS.md).
+compile happens once per `TORCH_EXTENSIONS_DIR` and is cached (docs/models.md).
 `shard` splits the model: DeepSpeed AutoTP (`init_inference(tensor_parallel=...)`) for the
 architectures it knows (Llama, Qwen2, ...), else the plain column/row split below for GPT-2,
 which AutoTP refuses. Every rank then holds 1/tp of the attention heads and MLP columns; the

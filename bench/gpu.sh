@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU run of bench/gpu.py (< 8 minutes): Llama-3.1-8B target / Llama-3.2-1B draft shapes,
+# One prepared GPU run of the bench/gpu/ package (< 8 minutes): Llama-3.1-8B target / Llama-3.2-1B draft shapes,
 # random weights in bf16, oracle drafts; no download, no Ray. Results (gpu.json, gpu.md, gpu.png,
-# gpu.log, nvidia-smi.txt) go to the folder given as $1, else $OUT, else bench/results/.
+# gpu.log, gpu_nvidia-smi.txt) go to the folder given as $1, else $OUT, else bench/results/.
 #   bash bench/gpu.sh [OUT_DIR] [extra bench.gpu flags]     e.g. bash bench/gpu.sh "$OUT" --budget-s 200
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ shift || true
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the repo first; carried wheels (transformers) after
 python="${PYTHON:-python3}"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || echo "no nvidia-smi" > "$out/nvidia-smi.txt"
+nvidia-smi > "$out/gpu_nvidia-smi.txt" 2>&1 || echo "no nvidia-smi" > "$out/gpu_nvidia-smi.txt"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
     'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'GPU(s)')" 2>&1 | tee "$out/gpu.log"
 # Sections stop starting work at --budget-s (default 330 s after the models are built); the hard

@@ -9,7 +9,7 @@ Speculation off is measured on each speculating application itself, as `off@draf
 the same requests with `max_draft_tokens: 0` (plain decoding, same tokens). Each mode is compared
 with its own off, on the same processes, so nothing but speculation differs between the two arms
 but time: on this 2-core VM the CPU time of identical forwards (same shapes, same code) drifts by
-up to 10 % between minute-long windows (traced in session 6), more than speculation gains under
+up to 10 % between minute-long windows, more than speculation gains under
 load; arms alternate, order reversed each pass, to spread that drift. Each concurrency level runs
 every arm in turn, driven by `c` closed-loop clients (each sends its next streamed chat completion
 when the last one ends) over a fixed prompt mix (code, prose, list, chat, and code editing whose
@@ -22,7 +22,7 @@ start of c prompts arriving at once (`steady_window`; the wall-time figure, cold
 included, is kept too), time to first token
 and inter-token latency (gap between streamed chunks, per token) p50 / p99, tokens committed per
 target step (acceptance length), and the ratio to `off` at the same concurrency. At c = 1 it also
-reports the analytic bound L*T/(V+D) of DESIGN.md from the same run (T: off's verify step, V and
+reports the analytic bound L*T/(V+D) of docs/design.md from the same run (T: off's verify step, V and
 D: this mode's verify and draft compute inside the workers) and efficiency = speedup / bound.
 
 At c = 1 it also reports each prompt kind's rate on and off (its requests' tokens over their
@@ -40,23 +40,19 @@ import itertools
 import json
 import math
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import ray
 from ray import serve
 
-from bench import report
+from bench import apps, figures, report
 from bench.single_stream import PROMPTS
-from deploy.app import build_app
-from deploy.config import AppConfig
-from deploy.demo import DEFAULT_CONFIG, app_block, wait_ready
+from deploy.demo import DEFAULT_CONFIG
 from deploy.models import REGISTRY, fetch
 
-REPO = str(Path(__file__).resolve().parents[1])
+NAME = "load_sweep"
 DRAFTERS = {"off": "none", "draft": "model", "lookup": "lookup"}
 STAT_KEYS = ("verify_s", "draft_s", "step_s", "overhead_share")  # the router's per-step means
 OFF = "off@"  # an arm with speculation off on a speculating application: "off@draft"
@@ -77,20 +73,13 @@ def baseline(arm: str, measured: list[str]) -> str | None:
     return own if own in measured else ("off" if "off" in measured else None)
 
 
-def app_config(args: argparse.Namespace, mode: str) -> AppConfig:
+def app_args(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """The shipped YAML's application for `draft`; for `lookup` and `off`, the same with that drafter."""
-    _, shipped = app_block(Path(args.config))
+    shipped = apps.shipped(args.config)
     if mode == "draft":
-        return AppConfig.model_validate(shipped)
-    speculation = shipped.get("speculation", {}) | ({"draft_cost": 0.0} if mode == "lookup" else {})
-    changed = {"draft_model": None, "drafter": {"kind": DRAFTERS[mode]}, "speculation": speculation}
-    return AppConfig.model_validate(shipped | changed)
-
-
-def served_name(args: argparse.Namespace) -> str:
-    config = app_config(args, "draft")
-    front = config.front_door
-    return front.served_model_name if front is not None and front.served_model_name else config.target_model
+        return shipped
+    changes = {"draft_model": None, "drafter": {"kind": DRAFTERS[mode]}}
+    return apps.variant(shipped, changes | ({"speculation": {"draft_cost": 0.0}} if mode == "lookup" else {}))
 
 
 async def one_request(
@@ -182,7 +171,7 @@ async def level(
     for r in results:  # a request's tokens spread evenly over its streamed chunks
         per_chunk, arrivals = r["tokens"] / max(r["chunks"], 1), r.pop("arrivals")
         r["steady_tokens"] = per_chunk * sum(begin < t <= until for t in arrivals)
-        r["busy_tokens"] = per_chunk * sum(t <= until for t in arrivals)  # the burst in (earlier sweeps)
+        r["busy_tokens"] = per_chunk * sum(t <= until for t in arrivals)  # the burst in: from the level's start
     return {"concurrency": c, "results": results, "window": until - begin, "busy": until - start, "wall": wall}
 
 
@@ -243,21 +232,10 @@ def _pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-def deploy(args: argparse.Namespace) -> None:
-    """Every mode as its own application (route prefix /<mode>), all loaded before any is measured."""
-    for mode in args.modes:
-        app = build_app(app_config(args, mode))
-        deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": mode, "route_prefix": f"/{mode}"})
-        deploying.start()
-        wait_ready(f"http://127.0.0.1:{args.port}/{mode}", timeout_s=900)
-        deploying.join()
-
-
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, urls: dict[str, str]) -> list[dict[str, Any]]:
     """Each concurrency level on every arm in turn, so a disturbance of the machine hits them alike."""
     handles = {mode: serve.get_app_handle(mode) for mode in args.modes}
-    urls = {mode: f"http://127.0.0.1:{args.port}/{mode}" for mode in args.modes}
-    model = {"model": served_name(args)}
+    model = {"model": apps.served_name(app_args(args, "draft"))}
     extra = {arm: model | ({"max_draft_tokens": 0} if arm.startswith(OFF) else {}) for arm in arms(args.modes)}
     for mode in args.modes:  # warm-up: first forwards, kernel choice, connections, cost measurements
         asyncio.run(level(urls[mode], 2, 6, 16, model))
@@ -325,29 +303,23 @@ def ratio_interval(ratios: list[float]) -> list[float]:
 
 
 def plot(rows: list[dict[str, Any]], stem: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
-        cs = [r["concurrency"] for r in mine]
-        axes[0].plot(cs, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
-        axes[1].plot(cs, [r["ttft_p50"] for r in mine], marker="o", label=mode)
-        axes[2].plot(cs, [1e3 * r["itl_p50"] for r in mine], marker="o", label=mode)
-    titles = ("throughput (output tokens/s)", "time to first token p50 (s)", "inter-token latency p50 (ms)")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
+    fig, axes = figures.figure(3, (15, 4))
+    panels = (
+        ("tokens_per_s", 1.0, "throughput (output tokens/s)"),
+        ("ttft_p50", 1.0, "time to first token p50 (s)"),
+        ("itl_p50", 1e3, "inter-token latency p50 (ms)"),
+    )
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by_mode = {m: sorted((r for r in rows if r["mode"] == m), key=lambda r: r["concurrency"]) for m in modes}
+    for ax, (key, scale, title) in zip(axes, panels, strict=True):
+        lines = {m: ([r["concurrency"] for r in mine], [scale * r[key] for r in mine]) for m, mine in by_mode.items()}
+        figures.log2_lines(ax, lines, "concurrent clients")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    figures.save(fig, stem.with_suffix(".png"))
 
 
-def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def write(args: argparse.Namespace, rows: list[dict[str, Any]], measured_on: dict[str, Any] | None = None) -> None:
     summarize(rows)
     columns = ["mode", "c", "tok/s", "vs off", "wall tok/s", "wall vs off", "burst-in vs off", "L"]
     columns += ["TTFT p50 s", "TTFT p99 s", "ITL p50 ms"]
@@ -378,7 +350,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "tok/s: output tokens per second while all c clients are busy and past their cold start (from the "
         "last first token of the clients' first requests until the first client runs out of requests: "
         "`steady_window`); wall tok/s: over the whole level, cold start and tail included; burst-in vs off: "
-        "the tok/s ratio with the window starting at the level's start (earlier sweeps' tok/s), which "
+        "the tok/s ratio with the window starting at the level's start, which "
         "weighs the cold-start burst by how soon the window ends. "
         "off@mode: that mode's application with speculation off per request (`max_draft_tokens: 0`). "
         "vs off: tok/s over the same application's off at the same concurrency. L: output tokens per target "
@@ -391,11 +363,12 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "ratio in.\n\n"
     )
     data = {"config": vars(args), "rows": rows}
-    figure = f"\n\n![sweep]({args.name}.png)"
+    figure = f"\n\n![sweep]({NAME}.png)"
     kinds_md = (
         f"\n\nAt c = {min(args.concurrency)}, by prompt kind (tokens over seconds of its requests):\n\n{per_kind}"
     )
-    stem = report.write(args.name, data, intro + report.markdown_table(columns, table) + kinds_md + figure)
+    markdown = intro + report.markdown_table(columns, table) + kinds_md + figure
+    stem = report.write(NAME, data, markdown, measured_on=measured_on)
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 
@@ -412,26 +385,19 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=5, help="at least one of each prompt kind")
     parser.add_argument("--repeats", type=int, default=2, help="passes per level, mode order reversed each")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--name", default="load_sweep")
     parser.add_argument("--render", metavar="JSON", help="only rewrite md/png from an earlier run's JSON")
     args = parser.parse_args()
     if args.render:
-        earlier = json.loads(Path(args.render).read_text())
-        write(argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"])
+        write(*report.earlier_run(args.render))
         return
-    shipped = app_config(args, "draft")
-    for model in (shipped.target_model, shipped.draft_model):
+    shipped = app_args(args, "draft")
+    for model in (shipped["target_model"], shipped.get("draft_model")):
         if model is not None and model in REGISTRY:
             fetch(model)
-    cpus = 3 * len(args.modes)  # logical: a draft replica, a target shard and a router per mode
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        deploy(args)
-        rows = measure(args)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    # Logical CPUs: a draft replica, a target shard and a router per mode; every mode loaded before any is measured.
+    with apps.local_serve(num_cpus=3 * len(args.modes), port=args.port):
+        urls = apps.deploy_http({mode: app_args(args, mode) for mode in args.modes}, args.port)
+        rows = measure(args, urls)
     write(args, rows)
 
 

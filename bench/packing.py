@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench import report
+from bench import figures, report
 from deploy.models import fetch
 from speculative.loading import load_model
 from speculative.runner import ModelRunner, chain_parents
+
+NAME = "packing"
+RATIOS = (("packed_over_plain", "packed"), ("padded_over_plain", "padded"))  # (row key, plot label)
 
 
 def timed_forward(runner: ModelRunner, lengths: list[int], reps: int) -> float:
@@ -61,23 +65,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(rows: list[dict[str, Any]], stem: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot(rows: list[dict[str, Any]], stem: Path) -> None:
+    fig, (ax,) = figures.figure()
     batches = [r["batch"] for r in rows]
-    for key, label in (("packed_over_plain", "packed"), ("padded_over_plain", "padded")):
-        ax.plot(batches, [r[key] for r in rows], marker="o", label=label)
+    lines = {label: (batches, [r[key] for r in rows]) for key, label in RATIOS}
+    figures.log2_lines(ax, lines, "rows in the forward (a quarter drafting)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("rows in the forward (a quarter drafting)")
     ax.set_ylabel("forward seconds / plain decode's")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"))
+    figures.save(fig, stem.with_suffix(".png"))
 
 
 def main() -> None:
@@ -89,7 +85,6 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4, help="draft tokens of each drafting row")
     parser.add_argument("--context", type=int, default=100, help="cached tokens per row")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--name", default="packing")
     args = parser.parse_args()
     rows = measure(args)
     columns = ["B", "drafting rows", "plain s", "packed s", "padded s", "packed / plain", "padded / plain"]
@@ -104,7 +99,7 @@ def main() -> None:
         "plainly. packed: the runner's forward; padded: every row at the longest row's length (what a padded "
         f"forward computes). Median of {args.reps} forwards each, logits at every new token.\n\n"
     )
-    stem = report.write(args.name, {"config": vars(args), "rows": rows}, intro + report.markdown_table(columns, table))
+    stem = report.write(NAME, {"config": vars(args), "rows": rows}, intro + report.markdown_table(columns, table))
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 

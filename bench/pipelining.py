@@ -7,7 +7,7 @@ One run deploys the application on embedded Ray once per mode and drives it at e
 For each it reports throughput (generated tokens/s over the wall time of the whole batch of
 requests), the router's step time split into draft compute, target compute and overhead (time in
 neither: Ray hops, serialization, Python; as a share of step time), tokens per step L, and the
-zero-overhead bound of DESIGN.md: tokens per round / (V + D) sequential, / max(V, D) pipelined.
+zero-overhead bound of docs/design.md: tokens per round / (V + D) sequential, / max(V, D) pipelined.
 
 Resources: the draft replica and the target shard get one CPU and one torch thread each, so the
 two pools can overlap on a 2-core machine; the router and Ray take the remainder.
@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from ray import serve
 
-from bench import report
+from bench import apps, figures, report
 from deploy.app import build_app
 from deploy.config import AppConfig
 from deploy.models import resolve
 
-REPO = str(Path(__file__).resolve().parents[1])
+NAME = "pipelining"
 PROMPTS = [
     "Write a Python function that merges two sorted lists into one sorted list.",
     "Write a short paragraph about why the sky is blue.",
@@ -137,26 +135,17 @@ def measure(args: argparse.Namespace, target: str, draft: str, mode: str, all_pr
 
 
 def plot(rows: list[dict], stem: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = figures.figure(2, (11, 4))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     conc = sorted({r["concurrency"] for r in rows})
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        mine = {r["concurrency"]: r for r in rows if r["mode"] == mode}
-        xs = [j + i * width for j in range(len(conc))]
-        left.bar(xs, [mine[c]["tokens_per_s"] for c in conc], width, label=mode)
-        right.bar(xs, [100 * mine[c]["overhead_share"] for c in conc], width, label=mode)
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    groups = [f"c={c}" for c in conc]
+    figures.grouped_bars(left, groups, {m: [by[m, c]["tokens_per_s"] for c in conc] for m in modes})
+    figures.grouped_bars(right, groups, {m: [100 * by[m, c]["overhead_share"] for c in conc] for m in modes})
     for ax, title in ((left, "throughput (tokens/s)"), (right, "router overhead (% of step time)")):
-        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(conc))], [f"c={c}" for c in conc])
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    figures.save(fig, stem.with_suffix(".png"))
 
 
 def main() -> None:
@@ -169,27 +158,23 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--name", default="pipelining")
     parser.add_argument("--render", metavar="JSON", help="only rewrite md/png from an earlier run's JSON")
     args = parser.parse_args()
     if args.render:
-        earlier = json.loads(Path(args.render).read_text())
-        summarize_and_write(argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"])
+        summarize_and_write(*report.earlier_run(args.render))
         return
     tmp = tempfile.TemporaryDirectory()
     target, draft = tiny_models(Path(tmp.name)) if args.tiny else (args.target, args.draft)
     all_prompts = prompts(target, max(args.concurrency), args.tiny)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     try:
-        rows = [row for mode in args.modes for row in measure(args, target, draft, mode, all_prompts)]
+        with apps.local_serve(num_cpus=4):
+            rows = [row for mode in args.modes for row in measure(args, target, draft, mode, all_prompts)]
     finally:
-        serve.shutdown()
-        ray.shutdown()
         tmp.cleanup()
     summarize_and_write(args, rows)
 
 
-def summarize_and_write(args: argparse.Namespace, rows: list[dict]) -> None:
+def summarize_and_write(args: argparse.Namespace, rows: list[dict], measured_on: dict[str, Any] | None = None) -> None:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     for r in rows:
         # Zero-overhead bound: the round's tokens over the time draft or target computed in it,
@@ -229,7 +214,8 @@ def summarize_and_write(args: argparse.Namespace, rows: list[dict]) -> None:
         "same concurrency.\n\n"
     )
     config = {k: v for k, v in vars(args).items()}
-    stem = report.write(args.name, {"config": config, "rows": rows}, intro + report.markdown_table(columns, table))
+    markdown = intro + report.markdown_table(columns, table)
+    stem = report.write(NAME, {"config": config, "rows": rows}, markdown, measured_on=measured_on)
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 

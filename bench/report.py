@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -51,10 +52,19 @@ def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def write(name: str, data: dict[str, Any], markdown: str, folder: Path = RESULTS) -> Path:
-    """<folder>/<name>.json and .md (bench/results/ by default); returns the path stem for plots (<name>.png)."""
+def earlier_run(path: Path | str) -> tuple[argparse.Namespace, list[dict[str, Any]], dict[str, Any]]:
+    """An earlier run's arguments, rows and machine from its JSON (`--render`: md/png again, no measuring)."""
+    earlier = json.loads(Path(path).read_text())
+    return argparse.Namespace(**{**earlier["config"], "render": None}), earlier["rows"], earlier["machine"]
+
+
+def write(
+    name: str, data: dict[str, Any], markdown: str, folder: Path = RESULTS, measured_on: dict[str, Any] | None = None
+) -> Path:
+    """<folder>/<name>.json and .md (bench/results/ by default), stamped with the machine the figures were
+    measured on (this one unless `measured_on` says otherwise); returns the path stem for plots (<name>.png)."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine(), **data}
+    data = {"machine": measured_on or machine(), **data}
     (folder / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     info = data["machine"]
     header = f"Machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}"

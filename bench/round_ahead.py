@@ -17,15 +17,15 @@ time hidden behind verification, draft tokens never verified).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import apps, figures, report
 from bench.single_stream import PROMPTS as SINGLE_STREAM_PROMPTS
-from deploy.demo import DEFAULT_CONFIG, Streamed, app_block, deploy_local, start_local_ray, stream_chat
+from deploy.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stream_chat
 
+NAME = "round_ahead"
 PROMPTS = {
     "code": SINGLE_STREAM_PROMPTS["code"],
     "code-edit": SINGLE_STREAM_PROMPTS["code-edit"],
@@ -59,12 +59,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
     parser.add_argument("--port", type=int, default=8123)
-    parser.add_argument("--name", default="round_ahead")
     args = parser.parse_args()
-    _, shipped = app_block(Path(args.config))
-    sequential = copy.deepcopy(shipped)
-    sequential.setdefault("router_pool", {}).setdefault("router", {})["round_ahead"] = False
-    model = shipped.get("front_door", {}).get("served_model_name", shipped["target_model"])
+    shipped = apps.shipped(args.config)
+    sequential = apps.variant(shipped, {"router_pool": {"router": {"round_ahead": False}}})
+    model = apps.served_name(shipped)
     import ray
     from ray import serve
 
@@ -129,32 +127,21 @@ def write(args: argparse.Namespace, runs: dict[str, list[list[Streamed]]], stats
         + "\n\n"
     )
     data = {"config": vars(args), "summary": summary, "rows": [dict(zip(columns, r, strict=True)) for r in rows]}
-    stem = report.write(
-        args.name, data, intro + report.markdown_table(columns, rows) + f"\n\n![rates]({args.name}.png)"
-    )
+    stem = report.write(NAME, data, intro + report.markdown_table(columns, rows) + f"\n\n![rates]({NAME}.png)")
     plot(rows, stem)
     print(stem.with_suffix(".md").read_text())
 
 
 def plot(rows: list[list[Any]], stem: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     prompts = list(dict.fromkeys(r[1] for r in rows))
     modes = list(dict.fromkeys(r[0] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        rates = {r[1]: r[2] for r in rows if r[0] == mode}
-        ax.bar([j + i * width for j in range(len(prompts))], [rates[p] for p in prompts], width, label=mode)
-    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(prompts))], prompts)
+    rates = {(r[0], r[1]): r[2] for r in rows}
+    fig, (ax,) = figures.figure(size=(8, 4))
+    figures.grouped_bars(ax, prompts, {m: [rates[m, p] for p in prompts] for m in modes})
     ax.set_ylabel("tokens/s (c = 1)")
     ax.set_title("round-ahead drafting on deploy/local.yaml")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    figures.save(fig, stem.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ One process, same prompts, same machine, each method in turn per dtype:
 - chain / tree / lookup: our speculative decoder;
 - hf-assisted: HF `generate(assistant_model=draft)`, its default schedule.
 Reports tokens/s, acceptance length L (tokens per target step), speedup over the target alone, the
-analytic bound L*T/(V+D) of DESIGN.md (T: target decode step, V: our verify step, D: our draft
+analytic bound L*T/(V+D) of docs/design.md (T: target decode step, V: our verify step, D: our draft
 round, all measured in this run), and whether each prompt's output equals the target's greedy one.
 
     python -m bench.single_stream [--dtypes bfloat16,float32] [--new-tokens 48]
@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from bench import report
+from bench import figures, report
 from deploy.local import LocalModels
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
 
+NAME = "single_stream"
 PROMPTS = {
     "code": "Write a Python function that merges two sorted lists into one sorted list.",
     "prose": "Write a short paragraph about why the sky is blue.",
@@ -164,35 +165,22 @@ def by_prompt(rows: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def plot(summary: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     dtypes = list(dict.fromkeys(s["dtype"] for s in summary))
     methods = list(dict.fromkeys(s["method"] for s in summary))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(dtypes)
+    by = {(s["dtype"], s["method"]): s for s in summary}
+    fig, (ax,) = figures.figure(size=(9, 4.5))
+    series = {f"{d} measured": [by[d, m]["speedup"] for m in methods] for d in dtypes}
+    xs = figures.grouped_bars(ax, methods, series)
     for i, dtype in enumerate(dtypes):
-        ss = {s["method"]: s for s in summary if s["dtype"] == dtype}
-        xs = [j + i * width for j in range(len(methods))]
-        ax.bar(xs, [ss[m]["speedup"] for m in methods], width, label=f"{dtype} measured")
-        bx = [x for x, m in zip(xs, methods, strict=True) if "bound" in ss[m]]
-        ax.scatter(
-            bx,
-            [ss[m]["bound"] for m in methods if "bound" in ss[m]],
-            marker="_",
-            s=400,
-            c="k",
-            label="analytic bound" if i == 0 else None,
-        )
+        pairs = zip(xs[f"{dtype} measured"], methods, strict=True)
+        bounded = [(x, by[dtype, m]["bound"]) for x, m in pairs if "bound" in by[dtype, m]]
+        label = "analytic bound" if i == 0 else None
+        ax.scatter([x for x, _ in bounded], [b for _, b in bounded], marker="_", s=400, c="k", label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks([j + width * (len(dtypes) - 1) / 2 for j in range(len(methods))], methods)
     ax.set_ylabel("speedup over target alone")
     ax.set_title("Single stream, Qwen2.5-Coder 1.5B target / 0.5B draft, greedy")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    figures.save(fig, path)
 
 
 def main() -> None:
@@ -202,7 +190,6 @@ def main() -> None:
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--target", default="qwen-1.5b")
     parser.add_argument("--draft", default="qwen-0.5b")
-    parser.add_argument("--output", default="single_stream", help="results name under bench/results/")
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes.split(","):
@@ -238,17 +225,17 @@ def main() -> None:
     notes = (
         f"{len(PROMPTS)} prompts ({', '.join(PROMPTS)}), {args.new_tokens} new tokens each, greedy, batch 1. "
         "speedup = tokens/s over the target alone (HF generate) in the same run; bound = L*T/(V+D) "
-        "(DESIGN.md); efficiency = speedup / bound; exact = prompts whose output equals the target's own "
+        "(docs/design.md); efficiency = speedup / bound; exact = prompts whose output equals the target's own "
         "greedy output.\n\n"
     )
     stem = report.write(
-        args.output,
+        NAME,
         {"args": vars(args), "summary": summary, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
         notes
         + report.markdown_table(columns, table)
         + "\n\nSpeedup over the target alone by prompt (acceptance length L):\n\n"
         + report.markdown_table(["dtype", "method", *PROMPTS], by_prompt(rows))
-        + f"\n\n![speedup]({args.output}.png)",
+        + f"\n\n![speedup]({NAME}.png)",
     )
     plot(summary, f"{stem}.png")
     print(report.markdown_table(columns, table))

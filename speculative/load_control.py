@@ -2,7 +2,7 @@
 
 Per sequence, `depth.own_depth` picks how deep to draft from acceptance alone. Per batch,
 the right depths also depend on what a verify forward costs at that size: on a CPU a forward of 8
-tokens costs about one decode step but one of 64 costs twice that (MODELS.md); on a GPU it is flat
+tokens costs about one decode step but one of 64 costs twice that (docs/models.md); on a GPU it is flat
 until the batch turns compute-bound. So a lane measures its own calls and, before each draft,
 chooses depths d_i <= min(want_i, cap) maximising the round's goodput
 

@@ -1,4 +1,4 @@
-"""Verification of one sequence's tree from the target's logits: the rule DESIGN.md assigns.
+"""Verification of one sequence's tree from the target's logits: the rule docs/design.md assigns.
 
 - greedy request: `accept_greedy` on penalised logits;
 - sampled request, deterministic draft (top-k tree, greedy chain, prompt lookup): target-sample

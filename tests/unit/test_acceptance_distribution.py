@@ -1,4 +1,4 @@
-"""Statistical proof that the acceptance rules are exact (DESIGN.md, "Acceptance rules").
+"""Statistical proof that the acceptance rules are exact (docs/design.md, "Acceptance rules").
 
 A toy language of V tokens: the target and the draft are Markov models (next-token logits depend
 on the last token only; [V, V] tables from a seeded generator), different enough that q > p on

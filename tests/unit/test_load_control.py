@@ -50,7 +50,7 @@ def plan(
     return planned.depths
 
 
-# A CPU-like verify: flat to 8 tokens, then linear (MODELS.md, Qwen 1.5B bf16: 190 ms, x2.06 at 32).
+# A CPU-like verify: flat to 8 tokens, then linear (docs/models.md, Qwen 1.5B bf16: 190 ms, x2.06 at 32).
 CPU = {1: 0.19, 8: 0.21, 16: 0.28, 32: 0.39, 64: 0.78, 128: 1.56, 256: 3.12}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.oracle import OracleDrafter
+from bench.gpu.oracle import OracleDrafter
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.base import DraftRequest

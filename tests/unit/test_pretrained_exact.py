@@ -1,4 +1,4 @@
-"""Greedy exactness on real pretrained models (MODELS.md): SmolLM2-135M and the Qwen2.5-Coder pair.
+"""Greedy exactness on real pretrained models (docs/models.md): SmolLM2-135M and the Qwen2.5-Coder pair.
 
 fp32, against each target's own `generate(do_sample=False)`. `make test` fetches the models first.
 """

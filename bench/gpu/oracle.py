@@ -5,7 +5,7 @@ where each token is the target's next token with probability `acceptance`, else 
 after a miss only wrong tokens (a real draft that left the target's path stays off it). Whether a
 position is right is keyed by (seed, reference, position), so it is decided once per position:
 the same whatever the batch, the chain length or the step that drafts it, and the target sees
-independent Bernoulli(acceptance) tokens, as the performance model of DESIGN.md assumes. Drafting
+independent Bernoulli(acceptance) tokens, as the performance model of docs/design.md assumes. Drafting
 costs no model forward, so D = 0 and the measured speedup isolates the system's own overhead.
 """
 

@@ -1,9 +1,10 @@
-"""bench/gpu.py's results as markdown tables and one figure."""
+"""The GPU benchmark's results as markdown tables and one figure."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from bench import figures
 from bench.report import markdown_table
 
 
@@ -75,14 +76,9 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     oracle = [r for r in results.get("oracle") or [] if isinstance(r, dict) and "speedup" in r]
     verify = results.get("verify") if isinstance(results.get("verify"), list) else []
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = figures.figure(2, (11, 4.2))
     labels = [f"a={r['acceptance']}\nk={r['k']}" for r in oracle]
     xs = range(len(oracle))
     left.bar(xs, [r["speedup"] for r in oracle], label="measured")
@@ -92,14 +88,11 @@ def plot(results: dict[str, Any], path: str) -> None:
     left.set_title("Oracle drafts, batch 1")
     left.legend()
     qs = [r["q"] for r in verify or []]
-    right.plot(qs, [r["eager_ms"] for r in verify or []], "o-", label="eager")
+    lines = {"eager": (qs, [r["eager_ms"] for r in verify or []])}
     if verify and "graph_ms" in verify[0]:
-        right.plot(qs, [r["graph_ms"] for r in verify], "s-", label="CUDA graph")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("q new tokens")
+        lines["CUDA graph"] = (qs, [r["graph_ms"] for r in verify])
+    figures.log2_lines(right, lines, "q new tokens")
     right.set_ylabel("ms per target forward")
     right.set_title("Verify cost")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path)

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from bench import gpu_sections as sec
 from bench import report
-from bench.gpu_report import markdown, plot
-from bench.random_models import build_model, confident_init
+from bench.gpu import sections as sec
+from bench.gpu.random_models import build_model, confident_init
+from bench.gpu.report import markdown, plot
 
 NAME = "gpu"
 
@@ -52,8 +52,8 @@ def parse_args() -> argparse.Namespace:
         "--context",
         type=float,
         default=0.25,
-        help="random_models.confident_init's context size; 1.0 left bf16 near-ties that flipped between "
-        "1-token and multi-token forwards on the H200 (0/4 exact), 0.25 gave 3/3 exact",
+        help="random_models.confident_init's context size: large values leave bf16 near-ties that flip between "
+        "1-token and multi-token forwards (outputs stop being exact); 0.25 keeps them apart",
     )
     args = parser.parse_args()
     tiny = args.tiny

@@ -1,7 +1,7 @@
-"""The measurements of bench/gpu.py, each through the real speculative core (no Ray).
+"""The GPU benchmark's measurements (`python -m bench.gpu`), each through the real speculative core (no Ray).
 
 T: seconds per token of the target alone (our decoder, no drafter); V, D: seconds per step spent
-verifying and drafting; L: tokens committed per target step. Bound = L*T/(V+D) (DESIGN.md).
+verifying and drafting; L: tokens committed per target step. Bound = L*T/(V+D) (docs/design.md).
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from bench.forward_cost import forward_costs, sync
-from bench.oracle import OracleDrafter
+from bench.gpu.forward_cost import forward_costs, sync
+from bench.gpu.oracle import OracleDrafter
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig, expected_tokens
-from speculative.drafters.base import Drafter, Proposal
+from speculative.drafters.base import Drafter, DraftRequest, Proposal
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.load_control import StepCosts
-from speculative.round import Drafting
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
@@ -63,7 +62,8 @@ def run_decoder(
     depths by acceptance and measured step costs (load_control.py) instead of always k."""
     adaptive = DepthConfig(adaptive=load_adaptive, max_depth=k, draft_cost=0.0)
     costs = StepCosts(adaptive) if load_adaptive else None
-    decoder = _Traced(TargetVerifier(ModelRunner(bench.target)), drafter, adaptive, costs=costs)
+    traced = TracedDrafter(drafter, costs) if drafter is not None else None
+    decoder = SpeculativeDecoder(TargetVerifier(ModelRunner(bench.target)), traced, adaptive, costs=costs)
     sync(bench.device)
     start = time.perf_counter()
     seqs: list[Sequence] = decoder.generate(prompts, bench.params)
@@ -79,24 +79,30 @@ def run_decoder(
         "accepted": sum(s.stats.accepted for s in seqs),
         "verify_s": decoder.times.verify / max(steps, 1),
         "draft_s": decoder.times.draft / max(steps, 1),
-        "rounds": decoder.rounds,  # per round: sequences, draft tokens, calibration after it
+        "rounds": traced.rounds if traced else [],  # per round: sequences, draft tokens, calibration after it
         "verify_curve": {round(p.x): p.seconds for p in costs.verify.points.values()} if costs else None,
     }
 
 
-class _Traced(SpeculativeDecoder):
-    """The decoder, recording each round's size and draft tokens (what the load control chose)."""
+class TracedDrafter:
+    """A drafter recording each round it drafts: sequences, draft tokens, and the load control's
+    calibration after the round before (what the load control chose)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner: Drafter, costs: StepCosts | None) -> None:
+        self.inner, self.costs = inner, costs
         self.rounds: list[tuple[int, int, float]] = []
 
-    def _propose(self, drafting: Drafting) -> list[Proposal]:
-        proposals = super()._propose(drafting)
-        costs = self.speculation.costs
-        calibration = costs.calibration if costs else 1.0
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        proposals = self.inner.propose(requests)
+        calibration = self.costs.calibration if self.costs else 1.0
         self.rounds.append((len(proposals), sum(p.tree.size for p in proposals), round(calibration, 3)))
         return proposals
+
+    def release(self, seq_ids: list[str]) -> None:
+        self.inner.release(seq_ids)
+
+    def cached_sequences(self) -> int:
+        return self.inner.cached_sequences()
 
 
 def single_stream(bench: Bench, drafter: Drafter | None, k: int, prompts: list[list[int]]) -> dict[str, Any]:
@@ -149,8 +155,8 @@ def oracle_grid(
     """Batch-1 speculation with the oracle at each (acceptance, k); exact = output equals refs.
 
     Each row's T is the target alone (our decoder, no drafter) measured just before it: a launch-bound
-    GPU host drifts by tens of percent over a run, and a T taken once at the start inflated speedups
-    past L (V below T) in an earlier run."""
+    GPU host drifts by tens of percent over a run, so a T taken once at the start can put a speedup
+    past L (V below T)."""
     single_stream(bench, OracleDrafter(refs, 0.8, bench.vocab), max(k for _, k in grid), prompts[:1])  # warm-up
     rows = []
     for acceptance, k in grid:

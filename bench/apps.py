@@ -1,0 +1,69 @@
+"""The benchmarks' applications: the shipped YAML's args and variants of them, and local Ray + Serve to run them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from deploy.app import build_app
+from deploy.config import AppConfig
+from deploy.demo import app_block, wait_ready
+
+REPO = str(Path(__file__).resolve().parents[1])  # the replicas' PYTHONPATH: they import this repository
+
+
+def shipped(config: Path | str) -> dict[str, Any]:
+    """The first application's `args` of a Serve YAML (an `AppConfig` as plain data)."""
+    return app_block(Path(config))[1]
+
+
+def variant(args: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`args` with `changes` laid over it: nested blocks merge key by key, any other value replaces."""
+    out = dict(args)
+    for key, value in changes.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = variant(out[key], value) if nested else value
+    return out
+
+
+def served_name(args: dict[str, Any]) -> str:
+    """The model name clients send: the front door's `served_model_name`, else the target model."""
+    front = AppConfig.model_validate(args).front_door
+    return front.served_model_name if front is not None and front.served_model_name else args["target_model"]
+
+
+@contextmanager
+def local_serve(num_cpus: int, port: int | None = None) -> Iterator[None]:
+    """Ray embedded in this process with `num_cpus` logical CPUs, and Serve (HTTP on `port` when given);
+    both shut down on leaving."""
+    import ray
+    from ray import serve
+
+    env = {"env_vars": {"PYTHONPATH": REPO}}
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env)
+    try:
+        if port is not None:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy_http(apps: dict[str, dict[str, Any]], port: int, timeout_s: float = 900) -> dict[str, str]:
+    """Each application of `apps` (name -> args) at route /<name>, loaded before the next one starts;
+    their base URLs."""
+    from ray import serve
+
+    urls = {}
+    for name, args in apps.items():
+        app = build_app(AppConfig.model_validate(args))
+        deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": name, "route_prefix": f"/{name}"})
+        deploying.start()
+        urls[name] = f"http://127.0.0.1:{port}/{name}"
+        wait_ready(urls[name], timeout_s=timeout_s)
+        deploying.join()
+    return urls

@@ -1,0 +1,3 @@
+from bench.gpu.run import main
+
+main()
