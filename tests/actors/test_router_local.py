@@ -169,7 +169,7 @@ def test_depth_shrinks_with_batch_and_queue(tiny_pair: TinyPair) -> None:
 
     async def lane_of() -> object:
         await router._target_info()
-        return router._lane_for_new()
+        return router._lane(router._lane_for_new())
 
     lane = asyncio.run(lane_of())
     assert lane.depth_cap(1) == 4  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ replica; greedy output is the target's own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from deploy.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
+from proto import specserve_pb2 as pb
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
 
@@ -77,3 +79,56 @@ def test_the_routers_own_checks_become_400s(client: TestClient) -> None:
     streamed = client.post("/v1/completions", json=body | {"stream": True})
     assert streamed.status_code == 400 and "0..95" in streamed.json()["error"]["message"]
     assert client.get("/health").json() == {"status": "ok", "model": MODEL_NAME}
+
+
+KV_BUDGET = 256  # under the tiny target's 1,024-token window: the window served is the budget
+
+
+@pytest.fixture(scope="module")
+def small_kv(folders: tuple[Path, Path, Any]) -> Iterator[tuple[TestClient, Ingress, TargetReplica]]:
+    target_dir = str(folders[0])
+    target_cfg = TargetConfig(model=ModelConfig(path=target_dir, dtype="float32"), kv_budget_tokens=KV_BUDGET)
+    target = TargetReplica(target_cfg, shards=LocalShards([TargetShard(target_cfg, 0)]))
+    ingress = Ingress(FRONT, RouterConfig(), None, LocalPool([target]), tokenizer=target_dir)
+    with TestClient(ingress.__serve_build_asgi_app__()) as c:
+        yield c, ingress, target
+
+
+def test_the_front_doors_serve_the_window_the_kv_budget_allows(
+    small_kv: tuple[TestClient, Ingress, TargetReplica],
+) -> None:
+    """/v1/models and gRPC Health report the budget; a request over it is a 400 naming the knob; one that must
+    wait for room is a 429 with Retry-After, served once the stream holding the room is gone."""
+    client, ingress, target = small_kv
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == KV_BUDGET
+    health = client.portal.call(ingress.Health, pb.HealthRequest())  # type: ignore[union-attr]
+    assert health.context_window == KV_BUDGET
+    body = {"model": MODEL_NAME, "temperature": 0, "ignore_eos": True}
+    over = client.post("/v1/completions", json=body | {"prompt": [5] * 250, "max_tokens": 10})
+    error = over.json()["error"]
+    assert over.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert f"context window of {KV_BUDGET} tokens" in error["message"]
+    assert "target_pool.kv_budget_tokens" in error["message"]
+    waiting = body | {"prompt": [5, 6, 7, 8], "max_tokens": 96}  # 100 tokens: fits the window, not what is left
+    with client.stream(
+        "POST", "/v1/completions", json=body | {"prompt": [5, 6, 7], "max_tokens": 197, "stream": True}
+    ) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+        refused = client.post("/v1/completions", json=waiting)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == str(FRONT.retry_after_s)
+        assert (
+            refused.json()["error"]["code"] == "overloaded"
+            and "KV budget: 200 of 256" in refused.json()["error"]["message"]
+        )
+
+    def ledger() -> int:
+        return int(client.portal.call(target.describe)["kv_reserved_tokens"])  # type: ignore[union-attr]
+
+    deadline = time.monotonic() + 30
+    while ledger() and time.monotonic() < deadline:  # the cancelled stream's lane releases it between rounds
+        time.sleep(0.05)
+    assert ledger() == 0
+    served = client.post("/v1/completions", json=waiting)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 96
+    assert ledger() == 0
