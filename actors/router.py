@@ -69,6 +69,7 @@ class Router:
         self._info_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()  # releases of reservations a failed admission made
         self._lanes: dict[int, Lane] = {}
+        self._joining: Counter[int] = Counter()  # lane index -> sequences waiting for their KV reservation
         self._live: dict[str, Live] = {}
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
@@ -143,7 +144,13 @@ class Router:
             raise Overloaded(f"{len(self._live)} sequences active (max_active_sequences)")
         seq_id = f"{self.router_id}-{next(self._ids)}"
         index = self._lane_for_new()
-        await self._reserve(index, seq_id, len(prompt) + params.max_tokens)
+        self._joining[index] += 1  # counted as the lane's while its reservation is asked for
+        try:
+            await self._reserve(index, seq_id, len(prompt) + params.max_tokens)
+        finally:
+            self._joining[index] -= 1
+            if not self._joining[index]:
+                del self._joining[index]
         seq = Sequence(seq_id, list(prompt), params, AdaptiveDepth(self.config.limits.adaptive))
         live = Live(seq)
         self._live[seq_id] = live
@@ -163,6 +170,11 @@ class Router:
             self._background.add(task)
             task.add_done_callback(self._released)
             raise
+        if not reserved.granted and tokens > reserved.budget:  # a replica with less memory than the one asked
+            raise ValueError(
+                f"max_tokens: the prompt plus max_tokens ({tokens} tokens) exceed the KV budget of target replica "
+                f"{reserved.replica}, {reserved.budget} tokens (target_pool.kv_budget_tokens)"
+            )
         if not reserved.granted:
             raise Overloaded(
                 f"KV budget: {reserved.held} of {reserved.budget} tokens reserved on target replica "
@@ -175,11 +187,15 @@ class Router:
             logger.info("release of a failed admission's reservation failed: %r", task.exception())
 
     def _lane_for_new(self) -> int:
-        """The index of the lane a new sequence joins: the smallest open one, or a new one."""
-        open_lanes = [i for i, lane in self._lanes.items() if len(lane) < self.config.max_lane_sequences]
-        if open_lanes or len(self._lanes) >= self.config.max_lanes:
-            return min(open_lanes or self._lanes, key=lambda i: len(self._lanes[i]))
-        return next(i for i in itertools.count() if i not in self._lanes)  # reuse names: bounded affinity keys
+        """The index of the lane a new sequence joins: the smallest open one, or a new one. Sequences still
+        being admitted count as their lane's, so a burst of requests spreads over lanes as it arrives."""
+        sizes = {i: len(lane) for i, lane in self._lanes.items()}
+        for i, n in self._joining.items():
+            sizes[i] = sizes.get(i, 0) + n
+        open_lanes = [i for i, n in sizes.items() if n < self.config.max_lane_sequences]
+        if open_lanes or len(sizes) >= self.config.max_lanes:
+            return min(open_lanes or sizes, key=lambda i: sizes[i])
+        return next(i for i in itertools.count() if i not in sizes)  # reuse names: bounded affinity keys
 
     def _lane_key(self, index: int) -> str:
         return f"{self.router_id}/lane{index}"

@@ -42,14 +42,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
     return TinyPair(str(root / "target"), str(root / "draft"))
 
 
-def make(pair: TinyPair, drafts: bool = True, target_pool: type[LocalPool] = LocalPool) -> tuple[Router, TargetReplica]:
+def make(
+    pair: TinyPair, drafts: bool = True, target_pool: type[LocalPool] = LocalPool, **router_config: Any
+) -> tuple[Router, TargetReplica]:
     fp32 = {"dtype": "float32", "torch_threads": 1}
     config = TargetConfig(
         model=ModelConfig(path=pair.target, **fp32), prefill_chunk_tokens=CHUNK, kv_budget_tokens=BUDGET
     )
     target = TargetReplica(config, shards=LocalShards([TargetShard(config, 0)]))
     draft = DraftWorker(DraftWorkerConfig(model=ModelConfig(path=pair.draft, **fp32), target_model=pair.target))
-    router = Router(RouterConfig(), LocalPool([draft]) if drafts else None, target_pool([target]))
+    router = Router(RouterConfig(**router_config), LocalPool([draft]) if drafts else None, target_pool([target]))
     return router, target
 
 
@@ -164,6 +166,14 @@ def test_a_request_over_the_window_is_refused_naming_the_limit(pair: TinyPair) -
     asyncio.run(scenario())
 
 
+class Hop(LocalPool):
+    """A pool whose calls take a network hop's time, as Serve handles do: a caller is suspended in each."""
+
+    async def call(self, method: str, lane: str | None, *args: Any) -> Any:
+        await asyncio.sleep(0.01)
+        return await super().call(method, lane, *args)
+
+
 class SlowReserve(LocalPool):
     """A pool whose reservations are granted, then answered only after a long while (a slow network)."""
 
@@ -222,3 +232,20 @@ def test_no_reservation_outlives_its_sequence(pair: TinyPair, monkeypatch: pytes
         return await reserved(slow_target)
 
     assert asyncio.run(cancelled_while_admitted()) == (0, 0), "cancelled while being admitted"
+
+
+def test_a_burst_spreads_over_lanes_while_its_reservations_are_asked_for(pair: TinyPair) -> None:
+    """Admission awaits the target replica's reservation; the requests still waiting for theirs count as their
+    lane's, so ten at once fill lanes of three rather than all joining the first."""
+    router, _ = make(pair, target_pool=Hop, max_lane_sequences=3)
+
+    async def scenario() -> list[int]:
+        streams = [router.generate_stream([5, 6, i + 7], GREEDY | {"max_tokens": 40}) for i in range(10)]
+        firsts = await asyncio.gather(*[s.__anext__() for s in streams])
+        sizes = sorted(len(lane) for lane in router._lanes.values())
+        for s in streams:
+            await s.aclose()
+        assert all(f["token_ids"] for f in firsts)
+        return sizes
+
+    assert asyncio.run(scenario()) == [1, 3, 3, 3]
