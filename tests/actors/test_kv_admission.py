@@ -28,7 +28,7 @@ from tests.actors.conftest import VOCAB, TinyPair, hf_greedy, llama_config, save
 
 WINDOW = 512  # the tiny target's max_position_embeddings
 BUDGET = 2048  # its replica's KV budget: the window plus four streams of 4-25 + 300 tokens fit
-CHUNK = 8  # prefill_chunk_tokens: a window-filling prompt is prefilled over 63 rounds beside the streams
+CHUNK = 4  # prefill_chunk_tokens: as many prompt tokens per round as the four streams decode (126 rounds)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -61,6 +61,15 @@ async def reserved(target: TargetReplica) -> tuple[int, int]:
     return described["kv_reserved_tokens"], described["kv_reserved_sequences"]
 
 
+async def settled(target: TargetReplica) -> tuple[int, int]:
+    """`reserved` once the lanes had time to release what left them (between rounds, or once a lane empties)."""
+    for _ in range(200):
+        if await reserved(target) == (0, 0):
+            break
+        await asyncio.sleep(0.01)
+    return await reserved(target)
+
+
 def gaps(arrivals: list[list[float]], start: float, end: float) -> tuple[list[float], list[float]]:
     """The streams' gaps between deliveries: (those overlapping start..end, the others)."""
     during: list[float] = []
@@ -71,84 +80,96 @@ def gaps(arrivals: list[list[float]], start: float, end: float) -> tuple[list[fl
     return during, usual
 
 
+async def window_filling(router: Router, target: TargetReplica, short: list[list[int]], long_prompt: list[int]) -> Any:
+    """Four streams of 300 tokens; after their 20th delivery the long prompt joins; meanwhile a request one token
+    over what is left of the budget is refused, and served once the five are done."""
+    info = await router.info()
+    streams = [router.generate_stream(p, GREEDY | {"max_tokens": 300}) for p in short]
+    outs = [list((await s.__anext__())["token_ids"]) for s in streams]
+    wall: list[list[float]] = [[time.monotonic()] for _ in streams]
+    cpu: list[list[float]] = [[time.process_time()] for _ in streams]
+    span: list[tuple[float, float]] = []  # (wall, cpu) when the long prompt was sent, when its first token came
+
+    async def drain(i: int) -> None:
+        async for chunk in streams[i]:
+            wall[i].append(time.monotonic())
+            cpu[i].append(time.process_time())
+            outs[i] += chunk["token_ids"]
+
+    async def long_request() -> list[int]:
+        while min(len(w) for w in wall) < 20:  # the usual pace first
+            await asyncio.sleep(0.005)
+        span.append((time.monotonic(), time.process_time()))
+        stream = router.generate_stream(long_prompt, GREEDY | {"max_tokens": 8})
+        tokens = list((await stream.__anext__())["token_ids"])
+        span.append((time.monotonic(), time.process_time()))
+        return tokens + [t async for c in stream for t in c["token_ids"]]
+
+    async def must_wait() -> tuple[int, str, dict[str, Any]]:
+        while (await reserved(target))[1] < 5:
+            await asyncio.sleep(0.005)
+        held, _ = await reserved(target)
+        prompt, asked = [5, 6, 7, 8], GREEDY | {"max_tokens": BUDGET - held - 4 + 1}
+        with pytest.raises(Overloaded, match="KV budget") as refused:
+            await router.generate(prompt, asked)
+        await tasks  # room is back once the five are done
+        return held, str(refused.value), await router.generate(prompt, asked)
+
+    tasks = asyncio.gather(long_request(), *[drain(i) for i in range(4)])
+    waited = await must_wait()
+    long_out = (await tasks)[0]
+    return {"info": info, "outs": outs, "wall": wall, "cpu": cpu, "span": span, "long": long_out, "waited": waited}
+
+
+TRIES = 3  # runs of the prefill whose gaps are measured; the best counts (see below)
+
+
 def test_a_window_filling_prompt_keeps_four_streams_at_pace_and_waiting_requests_get_overloaded(
     pair: TinyPair,
 ) -> None:
     """Four streams decode on the target replica; a prompt filling the window joins and is prefilled in chunks
-    between their rounds; a request that must wait for KV room is refused as overloaded, then served.
+    between their rounds, while the streams' largest gap stays within 3x their usual (median) one; a request
+    that must wait for KV room is refused as overloaded, then served; no reservation is left.
 
-    The streams' gaps during the prefill are printed, in wall-clock and in this process's CPU time (router and
-    replica are in it; on a shared machine wall-clock gaps also hold other processes' time slices). They are
-    not held to 3x their usual gap: on this runner a round's cost grows with the batch's widest row (every
-    row's KV is padded to it), so during the prefill the four streams' rounds cost up to 3.6-5x their usual
-    ones (docs/reliability.md). No draft pool: the gaps are the target replica's rounds alone.
+    Gaps are measured in this process's CPU time (router and replica are in it; wall-clock gaps on a shared
+    machine also hold other processes' time slices; both are printed). A single stall of the process outside
+    the server's rounds (a page fault, the allocator) can still exceed the bound in one run, so the best of
+    TRIES runs is held to it; a round carrying more than its chunk exceeds it in every run. No draft pool:
+    the gaps are the target replica's rounds alone.
     """
-    router, target = make(pair, drafts=False)
     gen = torch.Generator().manual_seed(3)
     short = [torch.randint(3, VOCAB, (4 + 7 * i,), generator=gen).tolist() for i in range(4)]
     long_prompt = torch.randint(3, VOCAB, (WINDOW - 8,), generator=gen).tolist()
-
-    async def scenario() -> dict[str, Any]:
-        info = await router.info()
-        streams = [router.generate_stream(p, GREEDY | {"max_tokens": 300}) for p in short]
-        outs = [list((await s.__anext__())["token_ids"]) for s in streams]
-        wall: list[list[float]] = [[time.monotonic()] for _ in streams]
-        cpu: list[list[float]] = [[time.process_time()] for _ in streams]
-        span: list[tuple[float, float]] = []  # (wall, cpu) when the long prompt was sent, when its first token came
-
-        async def drain(i: int) -> None:
-            async for chunk in streams[i]:
-                wall[i].append(time.monotonic())
-                cpu[i].append(time.process_time())
-                outs[i] += chunk["token_ids"]
-
-        async def long_request() -> list[int]:
-            while min(len(w) for w in wall) < 20:  # the usual pace first
-                await asyncio.sleep(0.005)
-            span.append((time.monotonic(), time.process_time()))
-            stream = router.generate_stream(long_prompt, GREEDY | {"max_tokens": 8})
-            tokens = list((await stream.__anext__())["token_ids"])
-            span.append((time.monotonic(), time.process_time()))
-            return tokens + [t async for c in stream for t in c["token_ids"]]
-
-        async def must_wait() -> tuple[int, str, dict[str, Any]]:
-            """While all five run, a request one token over what is left of the budget is refused, then served."""
-            while (await reserved(target))[1] < 5:
-                await asyncio.sleep(0.005)
-            held, _ = await reserved(target)
-            prompt, asked = [5, 6, 7, 8], GREEDY | {"max_tokens": BUDGET - held - 4 + 1}
-            with pytest.raises(Overloaded, match="KV budget") as refused:
-                await router.generate(prompt, asked)
-            await tasks  # room is back once the five are done
-            return held, str(refused.value), await router.generate(prompt, asked)
-
-        tasks = asyncio.gather(long_request(), *[drain(i) for i in range(4)])
-        waited = await must_wait()
-        long_out = (await tasks)[0]
-        return {"info": info, "outs": outs, "wall": wall, "cpu": cpu, "span": span, "long": long_out, "waited": waited}
-
-    result = asyncio.run(scenario())
-    assert result["info"]["context_window"] == WINDOW
-    assert "max_position_embeddings" in result["info"]["context_limit"]
-    assert result["info"]["kv_budget_tokens"] == BUDGET
-    for prompt, out in zip(short, result["outs"], strict=True):
-        assert out == hf_greedy(pair.target, prompt, 300)
-    assert result["long"] == hf_greedy(pair.target, long_prompt, 8)
-    (sent, sent_cpu), (first, first_cpu) = result["span"]
-    during, usual = gaps(result["cpu"], sent_cpu, first_cpu)
-    wall_during, wall_usual = gaps(result["wall"], sent, first)
-    largest, median = max(during), statistics.median(usual)
-    print(f"prefill of {len(long_prompt)} tokens: {first - sent:.2f} s; the four streams' gaps during it:")
-    print(f"  CPU: max {largest * 1e3:.1f} ms, usual (median) {median * 1e3:.1f} ms, ratio {largest / median:.2f}")
-    wall_ratio = max(wall_during) / statistics.median(wall_usual)
-    wall_max, wall_median = max(wall_during) * 1e3, statistics.median(wall_usual) * 1e3
-    print(f"  wall: max {wall_max:.1f} ms, usual {wall_median:.1f} ms, ratio {wall_ratio:.2f}")
-    assert len(during) >= 4 * (len(long_prompt) // CHUNK - 1), "the streams emit in every round of the prefill"
-    held, refusal, served = result["waited"]
-    assert held == WINDOW + sum(len(p) + 300 for p in short), "the five hold their whole prompt + max_tokens"
-    assert f"{held} of {BUDGET} tokens reserved" in refusal
-    assert len(served["token_ids"]) == BUDGET - held - 3
-    assert asyncio.run(reserved(target)) == (0, 0)
+    ratios = []
+    for _ in range(TRIES):
+        router, target = make(pair, drafts=False)
+        result = asyncio.run(window_filling(router, target, short, long_prompt))
+        assert result["info"]["context_window"] == WINDOW
+        assert "max_position_embeddings" in result["info"]["context_limit"]
+        assert result["info"]["kv_budget_tokens"] == BUDGET
+        for prompt, out in zip(short, result["outs"], strict=True):
+            assert out == hf_greedy(pair.target, prompt, 300)
+        assert result["long"] == hf_greedy(pair.target, long_prompt, 8)
+        held, refusal, served = result["waited"]
+        assert held == WINDOW + sum(len(p) + 300 for p in short), "the five hold their whole prompt + max_tokens"
+        assert f"{held} of {BUDGET} tokens reserved" in refusal
+        assert len(served["token_ids"]) == BUDGET - held - 3
+        assert asyncio.run(settled(target)) == (0, 0)
+        (sent, sent_cpu), (first, first_cpu) = result["span"]
+        during, usual = gaps(result["cpu"], sent_cpu, first_cpu)
+        assert len(during) >= 4 * (len(long_prompt) // CHUNK - 1), "the streams emit in every round of the prefill"
+        wall_during, wall_usual = gaps(result["wall"], sent, first)
+        largest, median = max(during), statistics.median(usual)
+        wall_max, wall_median = max(wall_during), statistics.median(wall_usual)
+        print(
+            f"prefill of {len(long_prompt)} tokens in {first - sent:.2f} s; the four streams' gaps during it: "
+            f"CPU max {largest * 1e3:.1f} ms / usual {median * 1e3:.1f} ms = {largest / median:.2f}x, "
+            f"wall max {wall_max * 1e3:.1f} ms / usual {wall_median * 1e3:.1f} ms = {wall_max / wall_median:.2f}x"
+        )
+        ratios.append(largest / median)
+        if ratios[-1] <= 3:
+            break
+    assert min(ratios) <= 3, f"the largest gap during the prefill is {min(ratios):.2f}x the usual at best"
 
 
 def test_a_request_over_the_window_is_refused_naming_the_limit(pair: TinyPair) -> None:
@@ -161,7 +182,7 @@ def test_a_request_over_the_window_is_refused_naming_the_limit(pair: TinyPair) -
             await router.generate([5] * WINDOW, GREEDY | {"max_tokens": 1})
         out = await router.generate([5] * 10, GREEDY | {"max_tokens": WINDOW - 10})  # exactly the window
         assert len(out["token_ids"]) == WINDOW - 10
-        assert await reserved(target) == (0, 0)
+        assert await settled(target) == (0, 0)
 
     asyncio.run(scenario())
 
@@ -204,18 +225,11 @@ def test_no_reservation_outlives_its_sequence(pair: TinyPair, monkeypatch: pytes
         with pytest.raises(RuntimeError, match=r"a verify that fails|internal error|unavailable"):
             await router.generate([5, 6, 7], GREEDY | {"max_tokens": 40})
 
-    async def settled() -> tuple[int, int]:
-        for _ in range(200):  # the lane releases between rounds, or once it is empty
-            if await reserved(target) == (0, 0):
-                break
-            await asyncio.sleep(0.01)
-        return await reserved(target)
-
     async def scenario() -> None:
         await cancelled_mid_stream()
-        assert await settled() == (0, 0), "cancelled mid-stream"
+        assert await settled(target) == (0, 0), "cancelled mid-stream"
         await failed()
-        assert await settled() == (0, 0), "failed"
+        assert await settled(target) == (0, 0), "failed"
 
     asyncio.run(scenario())
 
@@ -228,8 +242,7 @@ def test_no_reservation_outlives_its_sequence(pair: TinyPair, monkeypatch: pytes
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.05)  # the router's release of it
-        return await reserved(slow_target)
+        return await settled(slow_target)  # the router's release of it
 
     assert asyncio.run(cancelled_while_admitted()) == (0, 0), "cancelled while being admitted"
 

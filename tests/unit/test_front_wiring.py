@@ -98,7 +98,7 @@ def test_the_front_doors_serve_the_window_the_kv_budget_allows(
     small_kv: tuple[TestClient, Ingress, TargetReplica],
 ) -> None:
     """/v1/models and gRPC Health report the budget; a request over it is a 400 naming the knob; one that must
-    wait for room is a 429 with Retry-After, served once the stream holding the room is gone."""
+    wait for room is a 429 with Retry-After, served once the sequence holding the room is gone."""
     client, ingress, target = small_kv
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == KV_BUDGET
     health = client.portal.call(ingress.Health, pb.HealthRequest())  # type: ignore[union-attr]
@@ -110,25 +110,21 @@ def test_the_front_doors_serve_the_window_the_kv_budget_allows(
     assert f"context window of {KV_BUDGET} tokens" in error["message"]
     assert "target_pool.kv_budget_tokens" in error["message"]
     waiting = body | {"prompt": [5, 6, 7, 8], "max_tokens": 96}  # 100 tokens: fits the window, not what is left
-    with client.stream(
-        "POST", "/v1/completions", json=body | {"prompt": [5, 6, 7], "max_tokens": 197, "stream": True}
-    ) as r:
-        assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: {"))
-        refused = client.post("/v1/completions", json=waiting)
-        assert refused.status_code == 429 and refused.headers["retry-after"] == str(FRONT.retry_after_s)
-        assert (
-            refused.json()["error"]["code"] == "overloaded"
-            and "KV budget: 200 of 256" in refused.json()["error"]["message"]
-        )
 
     def ledger() -> int:
         return int(client.portal.call(target.describe)["kv_reserved_tokens"])  # type: ignore[union-attr]
 
-    deadline = time.monotonic() + 30
-    while ledger() and time.monotonic() < deadline:  # the cancelled stream's lane releases it between rounds
-        time.sleep(0.05)
-    assert ledger() == 0
+    # Another router replica's sequence holds 200 tokens of the replica's budget (the replica keeps the ledger).
+    assert client.portal.call(target.reserve, "other-router-0", 200).granted  # type: ignore[union-attr]
+    refused = client.post("/v1/completions", json=waiting)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == str(FRONT.retry_after_s)
+    message = refused.json()["error"]["message"]
+    assert refused.json()["error"]["code"] == "overloaded" and "KV budget: 200 of 256" in message
+    assert ledger() == 200, "a refused request holds nothing"
+    client.portal.call(target.unreserve, ["other-router-0"])  # type: ignore[union-attr]
     served = client.post("/v1/completions", json=waiting)
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 96
+    deadline = time.monotonic() + 30
+    while ledger() and time.monotonic() < deadline:  # the lane releases it once it is empty
+        time.sleep(0.05)
     assert ledger() == 0
