@@ -234,11 +234,12 @@ class Router:
         return self._info
 
     async def _draft_info(self) -> DraftInfo | None:
-        """The draft replicas' limits; None without a draft pool, or when it does not answer (it is optional)."""
+        """The draft replicas' limits; None without a draft pool, or when it does not answer within
+        draft_timeout_s (it is optional: Serve holds calls to a pool being replaced until a replica is up)."""
         if self._draft is None:
             return None
         try:
-            info: DraftInfo = await self._draft.call("info", None)
+            info: DraftInfo = await asyncio.wait_for(self._draft.call("info", None), self.config.draft_timeout_s)
             return info
         except Exception as e:
             logger.warning("the draft pool did not say its limits (%r): the window is the target's", e)

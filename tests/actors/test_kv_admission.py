@@ -262,3 +262,24 @@ def test_a_burst_spreads_over_lanes_while_its_reservations_are_asked_for(pair: T
         return sizes
 
     assert asyncio.run(scenario()) == [1, 3, 3, 3]
+
+
+class SilentDraft(LocalPool):
+    """A draft pool whose replica is being replaced: Serve holds every call until one is up."""
+
+    async def call(self, method: str, lane: str | None, *args: Any) -> Any:
+        await asyncio.sleep(3600)
+
+
+def test_a_silent_draft_pool_does_not_hold_admission(pair: TinyPair) -> None:
+    """The window is fetched with the draft pool's limits, which wait at most draft_timeout_s."""
+    config = TargetConfig(model=ModelConfig(path=pair.target, dtype="float32"), kv_budget_tokens=BUDGET)
+    target = TargetReplica(config, shards=LocalShards([TargetShard(config, 0)]))
+    router = Router(RouterConfig(draft_timeout_s=0.2), SilentDraft([object()]), LocalPool([target]))
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        info = await asyncio.wait_for(router.info(), 10)
+        return info, await asyncio.wait_for(router.generate([5, 6, 7], GREEDY | {"max_tokens": 4}), 60)
+
+    info, out = asyncio.run(scenario())
+    assert info["context_window"] == WINDOW and len(out["token_ids"]) == 4
