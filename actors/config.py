@@ -6,7 +6,7 @@ one config; the actors see only their own part.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +14,29 @@ from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+
+# A replica's KV budget (speculative/kv_budget.py): the router admits a sequence only when its prompt
+# plus max_tokens fits in what is left of it, and no window larger than it is advertised.
+KvBudgetTokens = Annotated[
+    int | None,
+    Field(
+        ge=2,
+        le=1 << 32,
+        description="Tokens of KV cache one replica holds over all its sequences (vLLM: num_gpu_blocks_override "
+        "x block_size); None: measured at start, kv_memory_fraction of the memory free after loading the weights "
+        "over the model's KV bytes per token (layers x kv_heads x head_dim x 2 x dtype bytes).",
+    ),
+]
+KvMemoryFraction = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=1,
+        description="With kv_budget_tokens None: the share of the memory free after loading the weights (the "
+        "GPU's, or the host's available memory on a CPU) given to KV; the rest is headroom for activations, "
+        "the runner's padding of rows to their group's longest, and other processes sharing the device.",
+    ),
+]
 
 
 class ModelConfig(BaseModel):
@@ -54,6 +77,8 @@ class DraftWorkerConfig(BaseModel):
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this long unused (a router died)."
     )
+    kv_budget_tokens: KvBudgetTokens = None
+    kv_memory_fraction: KvMemoryFraction = 0.5
     nice: int = Field(
         default=10,
         ge=0,
@@ -93,6 +118,8 @@ class TargetConfig(BaseModel):
         "forward holds attention over more new tokens than this. Smaller keeps other streams' gaps shorter "
         "during a long prefill (on a CPU a forward's cost grows with its tokens); None: no limit.",
     )
+    kv_budget_tokens: KvBudgetTokens = None
+    kv_memory_fraction: KvMemoryFraction = 0.5
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs each shard actor reserves.")
     shard_num_gpus: float = Field(
         default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."

@@ -19,9 +19,10 @@ from actors.loading import Resolver, identity, load_lm, vocab_size_of
 from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
-from actors.wire import Drafted, Stopwatch, WireProposal
+from actors.wire import Drafted, DraftInfo, Stopwatch, WireProposal
 from speculative.drafters.base import Drafter, DraftRequest, empty_proposal
 from speculative.drafters.config import build_drafter
+from speculative.kv_budget import kv_budget_tokens, max_model_len
 
 
 class DraftWorker:
@@ -32,6 +33,11 @@ class DraftWorker:
             os.nice(config.nice)
         self.model = load_lm(config.model, resolve) if config.model is not None else None
         self.target_vocab = vocab_size_of(config.target_model, resolve)
+        self.limits = DraftInfo(None, None)  # a drafter without a model holds no KV
+        if self.model is not None:
+            m = self.model
+            budget = kv_budget_tokens(config.kv_budget_tokens, config.kv_memory_fraction, m.config, m.dtype, m.device)
+            self.limits = DraftInfo(max_model_len(m.config), budget)
         self._caches: GroupCaches[Drafter | None] = GroupCaches(self._new_drafter, config.idle_evict_s)
         self._lock = threading.Lock()  # one forward at a time on the shared model
         self._busy = BusyMeter()
@@ -78,6 +84,10 @@ class DraftWorker:
             if drafter is not None:
                 drafter.release(seq_ids)
 
+    async def info(self, lane: str | None = None) -> DraftInfo:
+        """The draft model's window and this replica's KV budget (measured once, at start)."""
+        return self.limits
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (see actors/scaling.py)."""
         return {BUSY_METRIC: self._busy.take()}
@@ -95,6 +105,7 @@ class DraftWorker:
             "replica": self.tag,
             "groups": groups,
             "sequences": sequences,
+            "kv_budget_tokens": self.limits.kv_budget_tokens,
             "calls": self._calls,
             **where(),
         }

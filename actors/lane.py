@@ -391,7 +391,8 @@ class Lane:
             return None
         lives = list(self.groups[g].values())
         items = [
-            WireVerifyItem(x.seq.seq_id, tuple(x.seq.tokens), x.seq.params, x.proposal or _empty(x.seq)) for x in lives
+            WireVerifyItem(x.seq.seq_id, tuple(x.seq.tokens), x.seq.params, x.proposal or _empty(x.seq), _kv(x.seq))
+            for x in lives
         ]
         pre = self._start_ahead(g, lives) if ahead else None
         verified = await self._verify_call(g, items)
@@ -477,6 +478,11 @@ def _work(live: Live, request: DraftRequest) -> int:
     work = max(len(request.tokens) - live.draft_seen, 1) + request.budget
     live.draft_seen = len(request.tokens)
     return work
+
+
+def _kv(seq: Sequence) -> int:
+    """KV tokens reserved for the sequence at admission (actors/admission.py): prompt plus max_tokens."""
+    return len(seq.prompt) + seq.params.max_tokens
 
 
 def _empty(seq: Sequence) -> WireProposal:

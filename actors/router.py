@@ -16,25 +16,31 @@ Method shapes are those a FastAPI front door wraps: `generate` returns one dict,
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
+import logging
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from actors.admission import ContextWindow
 from actors.config import RouterConfig
 from actors.lane import Lane, LaneContext, Live, StepRecord
 from actors.loading import Resolver, identity, load_decoder
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, ServePool
-from actors.wire import TargetInfo
+from actors.wire import DraftInfo, Reserved, TargetInfo
 from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
 
+logger = logging.getLogger(__name__)
+
 
 class Overloaded(RuntimeError):
-    """The router holds `max_active_sequences` already; retry later (HTTP 429 at the front door)."""
+    """The router holds `max_active_sequences` already, or the target replica's KV budget has no room for the
+    request yet; retry later (HTTP 429 with Retry-After at the front door)."""
 
 
 class StreamTimeout(RuntimeError):
@@ -62,8 +68,11 @@ class Router:
         self._target = _as_pool(target)
         self._decode = decode if decode is not None or tokenizer is None else load_decoder(tokenizer, resolve)
         self._info: TargetInfo | None = None
+        self._window: ContextWindow | None = None  # what one sequence can be given (set with _info)
         self._info_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()  # releases of reservations a failed admission made
         self._lanes: dict[int, Lane] = {}
+        self._joining: Counter[int] = Counter()  # lane index -> sequences waiting for their KV reservation
         self._live: dict[str, Live] = {}
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
@@ -114,8 +123,19 @@ class Router:
         return summarize(records) | {"active": len(self._live), "lanes": len(self._lanes)}
 
     async def info(self) -> dict[str, Any]:
+        """The target's vocab_size, eos_ids and model; `context_window`: most prompt + max_tokens one request may
+        have (the model's window, or less where a replica's KV budget is smaller), and `context_limit` names what
+        sets it (with its config key)."""
         info = await self._target_info()
-        return {"vocab_size": info.vocab_size, "eos_ids": sorted(info.eos_ids), "model": info.model}
+        assert self._window is not None, "set with the target's info"
+        return {
+            "vocab_size": info.vocab_size,
+            "eos_ids": sorted(info.eos_ids),
+            "model": info.model,
+            "context_window": self._window.tokens,
+            "context_limit": self._window.limit,
+            "kv_budget_tokens": info.kv_budget_tokens,
+        }
 
     # ---- admission -----------------------------------------------------------------------
     async def _admit(self, prompt: list[int], sampling: dict[str, Any]) -> Live:
@@ -127,21 +147,73 @@ class Router:
             raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
         if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for t in prompt):
             raise ValueError(f"prompt_token_ids: token ids must be integers in 0..{info.vocab_size - 1}")
+        assert self._window is not None, "set with the target's info"
+        check_window(len(prompt), params.max_tokens, self._window)
         if len(self._live) >= self.config.max_active_sequences:
             raise Overloaded(f"{len(self._live)} sequences active (max_active_sequences)")
         seq_id = f"{self.router_id}-{next(self._ids)}"
+        index = self._lane_for_new()
+        self._joining[index] += 1  # counted as the lane's while its reservation is asked for
+        try:
+            await self._reserve(index, seq_id, len(prompt) + params.max_tokens)
+        finally:
+            self._joining[index] -= 1
+            if not self._joining[index]:
+                del self._joining[index]
         seq = Sequence(seq_id, list(prompt), params)
         live = Live(seq)
         self._live[seq_id] = live
         self._metrics.queue.set(len(self._live))
-        self._lane_for_new().add(live)
+        self._lane(index).add(live)
         return live
 
-    def _lane_for_new(self) -> Lane:
-        open_lanes = [lane for lane in self._lanes.values() if len(lane) < self.config.max_lane_sequences]
-        if open_lanes or len(self._lanes) >= self.config.max_lanes:
-            return min(open_lanes or self._lanes.values(), key=len)
-        index = next(i for i in itertools.count() if i not in self._lanes)  # reuse names: bounded affinity keys
+    async def _reserve(self, index: int, seq_id: str, tokens: int) -> None:
+        """Reserve the sequence's KV on the lane's target replica (the one its calls will reach), or Overloaded."""
+        key = self._lane_key(index)
+        try:
+            reserved: Reserved = await self._target.call("reserve", key, seq_id, tokens)
+        except BaseException:
+            # Cancelled or failed after the replica may have granted it: release it (a no-op if it did not).
+            release = self._target.call("unreserve", key, [seq_id])
+            task = asyncio.get_running_loop().create_task(release, context=contextvars.Context())
+            self._background.add(task)
+            task.add_done_callback(self._released)
+            raise
+        if not reserved.granted and tokens > reserved.budget:  # a replica with less memory than the one asked
+            raise ValueError(
+                f"max_tokens: the prompt plus max_tokens ({tokens} tokens) exceed the KV budget of target replica "
+                f"{reserved.replica}, {reserved.budget} tokens (target_pool.kv_budget_tokens)"
+            )
+        if not reserved.granted:
+            raise Overloaded(
+                f"KV budget: {reserved.held} of {reserved.budget} tokens reserved on target replica "
+                f"{reserved.replica}, and this request needs {tokens} (prompt + max_tokens)"
+            )
+
+    def _released(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the replica is gone, and its ledger with it
+            logger.info("release of a failed admission's reservation failed: %r", task.exception())
+
+    def _lane_for_new(self) -> int:
+        """The index of the lane a new sequence joins: the smallest open one, or a new one. Sequences still
+        being admitted count as their lane's, so a burst of requests spreads over lanes as it arrives."""
+        sizes = {i: len(lane) for i, lane in self._lanes.items()}
+        for i, n in self._joining.items():
+            sizes[i] = sizes.get(i, 0) + n
+        open_lanes = [i for i, n in sizes.items() if n < self.config.max_lane_sequences]
+        if open_lanes or len(sizes) >= self.config.max_lanes:
+            return min(open_lanes or sizes, key=lambda i: sizes[i])
+        return next(i for i in itertools.count() if i not in sizes)  # reuse names: bounded affinity keys
+
+    def _lane_key(self, index: int) -> str:
+        return f"{self.router_id}/lane{index}"
+
+    def _lane(self, index: int) -> Lane:
+        """Lane `index`, opened if it is not (or closed while the sequence was being admitted): a lane's calls
+        reach the replica its key is pinned to, so the reservation made under the key holds for it."""
+        if (lane := self._lanes.get(index)) is not None:
+            return lane
         assert self._info is not None, "admission fetches the target's info first"
         ctx = LaneContext(
             self.config,
@@ -155,17 +227,61 @@ class Router:
         )
 
         def closed(lane: Lane) -> None:
-            self._lanes.pop(index, None)
+            if self._lanes.get(index) is lane:
+                self._lanes.pop(index)
 
-        lane = Lane(f"{self.router_id}/lane{index}", ctx, closed)
+        lane = Lane(self._lane_key(index), ctx, closed)
         self._lanes[index] = lane
         return lane
 
     async def _target_info(self) -> TargetInfo:
         async with self._info_lock:
             if self._info is None:
-                self._info = await self._target.call("info", None)
+                info: TargetInfo = await self._target.call("info", None)
+                self._window = served_window(info, await self._draft_info())
+                self._info = info
         return self._info
+
+    async def _draft_info(self) -> DraftInfo | None:
+        """The draft replicas' limits; None without a draft pool, or when it does not answer within
+        draft_timeout_s (it is optional: Serve holds calls to a pool being replaced until a replica is up)."""
+        if self._draft is None:
+            return None
+        try:
+            info: DraftInfo = await asyncio.wait_for(self._draft.call("info", None), self.config.draft_timeout_s)
+            return info
+        except Exception as e:
+            logger.warning("the draft pool did not say its limits (%r): the window is the target's", e)
+            return None
+
+
+def served_window(target: TargetInfo, draft: DraftInfo | None) -> ContextWindow:
+    """Most prompt + max_tokens one sequence can be given: the models' windows and the replicas' KV budgets."""
+    windows = [
+        ContextWindow(target.max_model_len, "the target model's max_position_embeddings"),
+        ContextWindow(target.kv_budget_tokens, "the KV budget of a target replica, target_pool.kv_budget_tokens"),
+    ]
+    if draft is not None and draft.max_model_len is not None:
+        windows.append(ContextWindow(draft.max_model_len, "the draft model's max_position_embeddings"))
+    if draft is not None and draft.kv_budget_tokens is not None:
+        windows.append(
+            ContextWindow(draft.kv_budget_tokens, "the KV budget of a draft replica, draft_pool.kv_budget_tokens")
+        )
+    return ContextWindow.smallest(*windows)
+
+
+def check_window(n_prompt: int, max_tokens: int, window: ContextWindow) -> None:
+    """ValueError naming the field when prompt + max_tokens can never fit in `window` (HTTP 400)."""
+    if n_prompt >= window.tokens:
+        raise ValueError(
+            f"prompt_token_ids: {n_prompt} tokens, but the context window is {window.tokens} tokens ({window.limit}), "
+            "prompt plus at least one generated token"
+        )
+    if n_prompt + max_tokens > window.tokens:
+        raise ValueError(
+            f"max_tokens: {max_tokens} new tokens plus the {n_prompt}-token prompt exceed the context window of "
+            f"{window.tokens} tokens ({window.limit}); at most {window.tokens - n_prompt} new tokens fit"
+        )
 
 
 def summarize(records: list[StepRecord]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ flight, and Serve replaces it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Protocol, cast
@@ -27,13 +28,14 @@ from typing import Any, Protocol, cast
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.admission import KvLedger
 from actors.config import TargetConfig
 from actors.loading import Resolver, identity
 from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.target_shard import HEALTH_GROUP, TargetShard
-from actors.wire import TargetInfo, Verified, WireVerifyItem
+from actors.wire import Reserved, TargetInfo, Verified, WireVerifyItem
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ class TargetReplica:
         self._calls = 0
         self._disagreements = 0
         self.tag = replica_tag(self)
+        self._info: TargetInfo | None = None
+        self._ledger: KvLedger | None = None  # KV reservations, from the first call (the shards' budget)
         mark_replica_up()
 
     async def verify(
@@ -116,6 +120,9 @@ class TargetReplica:
         replica Serve starts instead; only the forward the loss interrupted carries its cause (an
         OutOfMemoryError is not retried: the same forward would run out of memory again).
         """
+        ledger = await self._kv()
+        ledger.release(release)
+        ledger.running({item.seq_id: item.reserved for item in items})
         self._waiting += 1
         try:
             await self._lock.acquire()
@@ -146,12 +153,31 @@ class TargetReplica:
         return Verified(verdicts, work, self._waiting, self.tag)
 
     async def release(self, cache_key: str, seq_ids: list[str], lane: str | None = None) -> None:
+        (await self._kv()).release(seq_ids)
         async with self._lock:
             await self._on_shards("release", cache_key, seq_ids)
 
+    async def reserve(self, seq_id: str, tokens: int, lane: str | None = None) -> Reserved:
+        """Reserve KV for a sequence about to be admitted (actors/admission.py); released with the sequence."""
+        return (await self._kv()).reserve(seq_id, tokens)
+
+    async def unreserve(self, seq_ids: list[str], lane: str | None = None) -> None:
+        """Return reservations of sequences never admitted (their admission failed or was cancelled)."""
+        (await self._kv()).release(seq_ids)
+
     async def info(self) -> TargetInfo:
-        info: TargetInfo = (await self.shards.call("info"))[0]
-        return info
+        """Rank 0's model facts, with the smallest shard's KV budget (each shard measured its own memory)."""
+        if self._info is None:
+            infos: list[TargetInfo] = await self.shards.call("info")
+            budget = min(i.kv_budget_tokens for i in infos)
+            self._info = dataclasses.replace(infos[0], kv_budget_tokens=budget)
+        return self._info
+
+    async def _kv(self) -> KvLedger:
+        if self._ledger is None:
+            budget = (await self.info()).kv_budget_tokens
+            self._ledger = self._ledger or KvLedger(budget, self.config.idle_evict_s, self.tag)
+        return self._ledger
 
     async def describe(self, lane: str | None = None) -> dict[str, Any]:
         """The replica and its shards; `sequences`: sequences whose KV rank 0 holds (all ranks hold the same)."""
@@ -164,6 +190,9 @@ class TargetReplica:
             "calls": self._calls,
             "disagreements": self._disagreements,
             "sequences": shards[0]["sequences"],
+            "kv_budget_tokens": (await self.info()).kv_budget_tokens,
+            "kv_reserved_tokens": (await self._kv()).held,
+            "kv_reserved_sequences": len(await self._kv()),
             "shards": shards,
             **where(),
         }

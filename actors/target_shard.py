@@ -25,6 +25,7 @@ from actors.loading import Resolver, identity, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.acceptance import Verdict
+from speculative.kv_budget import kv_budget_tokens, max_model_len
 from speculative.loading import eos_ids_of
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
@@ -54,12 +55,16 @@ class TargetShard:
             tp.join_group(self.rank, world, address, port, self.config.model.device, self.config.torch_extensions_dir)
         model = load_lm(self.config.model, self._resolve)
         eos = eos_ids_of(model)
+        config = model.config
         model = tp.shard(model, world)
+        budget = kv_budget_tokens(
+            self.config.kv_budget_tokens, self.config.kv_memory_fraction, config, model.dtype, model.device, world
+        )
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
         chunk = self.config.prefill_chunk_tokens
         self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model), chunk), float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
-        self._info = TargetInfo(vocab, eos, self.config.model.path)
+        self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
         return self._info
 
     def verify(

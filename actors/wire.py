@@ -117,11 +117,31 @@ class Verified:
 
 @dataclass(frozen=True)
 class TargetInfo:
-    """What the router needs to know about the target model."""
+    """What the router needs to know about the target model and a replica of it."""
 
     vocab_size: int
     eos_ids: frozenset[int]
     model: str
+    max_model_len: int  # the model's own window (max_position_embeddings)
+    kv_budget_tokens: int  # KV tokens the replica holds over all its sequences (speculative/kv_budget.py)
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    """A draft replica's limits; both None for drafters without a model (they hold no KV)."""
+
+    max_model_len: int | None
+    kv_budget_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A target replica's answer to a KV reservation (actors/admission.py `KvLedger.reserve`)."""
+
+    granted: bool
+    held: int  # tokens reserved on the replica after the call
+    budget: int  # the replica's kv_budget_tokens
+    replica: str
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,9 @@ class WireVerifyItem:
     tokens: tuple[int, ...]
     params: SamplingParams
     proposal: WireProposal
+    # KV tokens reserved for the sequence (prompt + max_tokens): a replica not holding its reservation
+    # (the lane moved here, or this replica replaced the one that granted it) takes it over.
+    reserved: int = 0
 
     def decode(self) -> VerifyItem:
         return VerifyItem(self.seq_id, self.tokens, self.params, self.proposal.decode())

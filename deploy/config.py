@@ -11,7 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from actors.config import DraftWorkerConfig, Dtype, ModelConfig, RouterConfig, TargetConfig
+from actors.config import (
+    DraftWorkerConfig,
+    Dtype,
+    KvBudgetTokens,
+    KvMemoryFraction,
+    ModelConfig,
+    RouterConfig,
+    TargetConfig,
+)
 from actors.scaling import BusyFractionPolicy
 from deploy.frontdoor import FrontDoorConfig
 from speculative.depth import DepthConfig
@@ -124,6 +132,8 @@ class DraftPoolConfig(BaseModel):
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this idle."
     )
+    kv_budget_tokens: KvBudgetTokens = None
+    kv_memory_fraction: KvMemoryFraction = 0.5
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count.")
 
 
@@ -150,6 +160,8 @@ class TargetPoolConfig(BaseModel):
     prefill_chunk_tokens: int | None = Field(
         default=256, ge=1, le=1_048_576, description="Most prompt tokens per verify forward (TargetConfig's)."
     )
+    kv_budget_tokens: KvBudgetTokens = None
+    kv_memory_fraction: KvMemoryFraction = 0.5
     health_check_period_s: float = Field(
         default=2.0,
         gt=0,
@@ -234,6 +246,8 @@ class AppConfig(BaseModel):
             drafter=self.drafter,
             idle_evict_s=self.draft_pool.idle_evict_s,
             nice=self.draft_pool.nice,
+            kv_budget_tokens=self.draft_pool.kv_budget_tokens,
+            kv_memory_fraction=self.draft_pool.kv_memory_fraction,
         )
 
     def target(self) -> TargetConfig:
@@ -246,6 +260,8 @@ class AppConfig(BaseModel):
             shard_num_cpus=pool.shard_num_cpus,
             shard_num_gpus=pool.shard_num_gpus,
             prefill_chunk_tokens=pool.prefill_chunk_tokens,
+            kv_budget_tokens=pool.kv_budget_tokens,
+            kv_memory_fraction=pool.kv_memory_fraction,
         )
 
     def router(self) -> RouterConfig:

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from actors.admission import ContextWindow
 from deploy.prompts import PromptTokenizer
 from speculative.sampling import SamplingParams
 
@@ -49,7 +50,8 @@ class Backend(Protocol):
         ...
 
     async def info(self) -> dict[str, Any]:
-        """The target's vocab_size, eos_ids and model; it answers once the target pool does."""
+        """The target's vocab_size, eos_ids and model, and the `context_window` (tokens) the deployment can give
+        one sequence with the `context_limit` that sets it (actors/router.py); it answers once the target pool does."""
         ...
 
     async def ready(self) -> None:
@@ -72,7 +74,8 @@ class FrontDoorConfig(BaseModel):
         default=None,
         ge=2,
         le=10_000_000,
-        description="Most prompt + generated tokens; None: the target's max_position_embeddings.",
+        description="Most prompt + generated tokens; None: the target's max_position_embeddings. The front doors "
+        "serve the smaller of this and what the deployment can give one sequence (the replicas' KV budgets).",
     )
     retry_after_s: int = Field(
         default=1, ge=0, le=3600, description="Retry hint (seconds) sent with 429 / RESOURCE_EXHAUSTED."
@@ -130,6 +133,17 @@ class FrontDoor:
     @property
     def model_name(self) -> str:
         return self.config.served_model_name
+
+    def served_window(self, info: dict[str, Any]) -> ContextWindow:
+        """The window clients get (/v1/models, Health, every request's check): the smaller of this front door's
+        and the one the backend's `info` says the deployment can give one sequence."""
+        own = (
+            "front_door.context_window" if self.config.context_window else "the target model's max_position_embeddings"
+        )
+        window = ContextWindow(self.context_window, own)
+        if "context_window" in info:
+            window = ContextWindow.smallest(window, ContextWindow(info["context_window"], info["context_limit"]))
+        return window
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -252,17 +266,18 @@ def _short(value: object) -> str:
 
 
 def fit_context(
-    n_prompt: int, max_tokens: int | None, default: int | None, window: int, prompt_param: str, max_param: str
+    n_prompt: int, max_tokens: int | None, default: int | None, window: ContextWindow, prompt_param: str, max_param: str
 ) -> int:
-    """The max_tokens to run with: the client's if prompt + max_tokens fits the window, else an error.
+    """The max_tokens to run with: the client's if prompt + max_tokens fits the window, else an error naming
+    the limit (`window.limit`: the model's window or a KV budget, with its config key).
 
     Unset, it is `default` clipped to the room left, or all the room left when `default` is None.
     """
-    room = window - n_prompt
+    room = window.tokens - n_prompt
     if room < 1:
         raise RequestError(
-            f"{prompt_param}: {n_prompt} tokens, but the model's context window is {window} tokens "
-            "(prompt plus at least one generated token)",
+            f"{prompt_param}: {n_prompt} tokens, but the context window is {window.tokens} tokens "
+            f"({window.limit}): prompt plus at least one generated token",
             param=prompt_param,
             code="context_length_exceeded",
         )
@@ -270,8 +285,8 @@ def fit_context(
         return room if default is None else min(default, room)
     if max_tokens > room:
         raise RequestError(
-            f"{max_param}: {max_tokens} new tokens plus the {n_prompt}-token prompt exceed the model's context "
-            f"window of {window} tokens (at most {room} new tokens fit)",
+            f"{max_param}: {max_tokens} new tokens plus the {n_prompt}-token prompt exceed the context window of "
+            f"{window.tokens} tokens ({window.limit}); at most {room} new tokens fit",
             param=max_param,
             code="context_length_exceeded",
         )

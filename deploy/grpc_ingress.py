@@ -30,6 +30,7 @@ from typing import Any, Protocol, cast
 import grpc
 from pydantic import ValidationError
 
+from actors.admission import ContextWindow
 from actors.router import Overloaded, StreamTimeout
 from deploy.frontdoor import (
     Backend,
@@ -96,7 +97,7 @@ class GrpcIngress:
     ) -> pb.GenerateResponse:
         backend, front = cast(Backend, self), self.front
         try:
-            ids, sampling = await _admit(front, request, grpc_context)
+            ids, sampling = await _admit(backend, front, request, grpc_context)
             try:
                 result = await backend.generate(ids, sampling)
             except Exception as e:
@@ -120,7 +121,7 @@ class GrpcIngress:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         backend, front = cast(Backend, self), self.front
         try:
-            ids, sampling = await _admit(front, request, grpc_context)
+            ids, sampling = await _admit(backend, front, request, grpc_context)
             stream = backend.generate_stream(ids, sampling)
             try:
                 first = await anext(stream)
@@ -157,16 +158,18 @@ class GrpcIngress:
 
     async def Health(self, request: pb.HealthRequest, grpc_context: StatusContext | None = None) -> pb.HealthResponse:
         backend, front = cast(Backend, self), self.front
+        window = front.served_window({})  # while the target pool does not answer: the front door's own
         try:
             await asyncio.wait_for(backend.ready(), front.config.health_timeout_s)
+            window = front.served_window(await asyncio.wait_for(backend.info(), front.config.health_timeout_s))
             status = pb.HealthResponse.SERVING_STATUS_SERVING
         except Exception:
             status = pb.HealthResponse.SERVING_STATUS_NOT_SERVING
-        return pb.HealthResponse(status=status, model=front.model_name, context_window=front.context_window)
+        return pb.HealthResponse(status=status, model=front.model_name, context_window=window.tokens)
 
 
 async def _admit(
-    front: FrontDoor, request: pb.GenerateRequest, context: StatusContext | None
+    backend: Backend, front: FrontDoor, request: pb.GenerateRequest, context: StatusContext | None
 ) -> tuple[list[int], dict[str, Any]]:
     if not front.authorized(_bearer(context)):
         raise GrpcStatus(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer <key>` metadata")
@@ -178,13 +181,18 @@ async def _admit(
             raise too_large(size, front.config.max_request_bytes)
         if request.model:
             front.check_model(request.model)
-        return await front.off_loop(to_generation, request, front, secrets.randbits(63))
+        window = front.served_window(await backend.info())
+        return await front.off_loop(to_generation, request, front, secrets.randbits(63), window)
     except RequestError as e:
         raise GrpcStatus(_HTTP_TO_GRPC.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
 
 
-def to_generation(request: pb.GenerateRequest, front: FrontDoor, seed: int) -> tuple[list[int], dict[str, Any]]:
+def to_generation(
+    request: pb.GenerateRequest, front: FrontDoor, seed: int, window: ContextWindow | None = None
+) -> tuple[list[int], dict[str, Any]]:
     """Prompt token ids and the SamplingParams dict of a request; RequestError names the field.
+
+    `window`: what the deployment serves (`FrontDoor.served_window`); None: the front door's own.
 
     Tokenizes (control-token text in `text` as plain text): run it off the event loop.
     """
@@ -197,9 +205,10 @@ def to_generation(request: pb.GenerateRequest, front: FrontDoor, seed: int) -> t
     if not ids:
         raise RequestError(f"{which}: must not be empty", param=which)
     asked = s.max_tokens if s.HasField("max_tokens") else None
+    window = window or front.served_window({})
     fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     fields |= {
-        "max_tokens": fit_context(len(ids), asked, None, front.context_window, which, "sampling.max_tokens"),
+        "max_tokens": fit_context(len(ids), asked, None, window, which, "sampling.max_tokens"),
         "stop": tuple(s.stop),
         "stop_token_ids": tuple(s.stop_token_ids),
         "seed": s.seed if s.HasField("seed") else seed,

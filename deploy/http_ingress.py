@@ -51,6 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.admission import ContextWindow
 from actors.router import Overloaded, StreamTimeout
 from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error, param_path, too_large
 from deploy.openai_api import (
@@ -108,7 +109,8 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> ModelList:
-        card = ModelCard(id=front.model_name, created=0, max_model_len=front.context_window)
+        window = front.served_window(await backend.info())
+        card = ModelCard(id=front.model_name, created=0, max_model_len=window.tokens)
         return ModelList(data=[card])
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)], openapi_extra=_body(CompletionRequest))
@@ -168,17 +170,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _prepare(
-    front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: int
+    front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: int, window: ContextWindow
 ) -> tuple[OpenAIRequest, list[int], dict[str, Any]]:
     """Parse, check the model and tokenize: the request's CPU work, run off the event loop."""
     request = parse_request(cls, body)
     front.check_model(request.model)
-    ids, sampling = to_generation(request, front, seed=seed)
+    ids, sampling = to_generation(request, front, seed, window)
     return request, ids, sampling
 
 
 async def _serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], body: bytes) -> Response:
-    request, ids, sampling = await front.off_loop(_prepare, front, cls, body, secrets.randbits(63))
+    window = front.served_window(await backend.info())
+    request, ids, sampling = await front.off_loop(_prepare, front, cls, body, secrets.randbits(63), window)
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     detok = Detokenizer(front.decode, tuple(sampling["stop"]))
     if request.stream:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from transformers import PreTrainedTokenizerBase
 
+from actors.admission import ContextWindow
 from deploy.frontdoor import (
     MAX_STOP,
     MAX_STOP_TOKEN_IDS,
@@ -198,9 +199,11 @@ def parse_request(cls: type[R], body: bytes) -> R:
 
 # ---- request -> router --------------------------------------------------------------------------
 def to_generation(
-    request: CompletionRequest | ChatCompletionRequest, front: FrontDoor, seed: int
+    request: CompletionRequest | ChatCompletionRequest, front: FrontDoor, seed: int, window: ContextWindow | None = None
 ) -> tuple[list[int], dict[str, Any]]:
     """Prompt token ids and the SamplingParams dict of a validated request.
+
+    `window`: what the deployment serves (`FrontDoor.served_window`); None: the front door's own.
 
     `seed` is used when the request has none (the caller draws a fresh one, so unseeded sampled
     requests differ). Raises RequestError naming the field. Tokenizes: run it off the event loop.
@@ -214,7 +217,8 @@ def to_generation(
     else:
         prompt, prompt_param = completion_prompt_ids(request.prompt, front.prompts), "prompt"
         max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
-    max_tokens = fit_context(len(prompt), asked, default, front.context_window, prompt_param, max_param)
+    window = window or front.served_window({})
+    max_tokens = fit_context(len(prompt), asked, default, window, prompt_param, max_param)
     fields = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -421,7 +425,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
-    max_model_len: int = Field(description="The context window (vLLM's name for it).")
+    max_model_len: int = Field(
+        description="The context window (vLLM's name for it): the model's, or less where a replica's KV budget "
+        "cannot hold that much for one sequence."
+    )
 
 
 class ModelList(BaseModel):

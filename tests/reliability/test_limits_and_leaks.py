@@ -4,9 +4,9 @@
   RESOURCE_EXHAUSTED with a `retry-after` trailer, at once; every admitted request completes with
   the target's own tokens, in bounded time.
 - Cancellation: a client that drops its HTTP stream (or cancels its gRPC stream) mid-decode frees
-  the sequence on the router and its caches on the draft and target replicas, as the replicas'
-  own `describe()` accounting shows.
-- No leaks: after 1,000 short requests the cached-sequence counts are back to zero and the
+  the sequence on the router, its caches on the draft and target replicas and its KV reservation
+  on the target replica, as the replicas' own `describe()` accounting shows.
+- No leaks: after 1,000 short requests the cached-sequence counts and the KV reservations are back to zero and the
   resident memory of every replica process is back near its level before them.
 - Size: a 10 MB request gets HTTP 413 / gRPC RESOURCE_EXHAUSTED through Serve's proxies, and the
   next request is served.
@@ -53,12 +53,15 @@ class Served:
     def __init__(self, handle: DeploymentHandle, http: str, grpc_address: str, target: PreTrainedModel) -> None:
         self.handle, self.http, self.grpc, self.target = handle, http, grpc_address, target
 
-    def held(self) -> tuple[int, int, int]:
-        """Sequences the router holds, and those cached on the draft and the target replica."""
+    def held(self) -> tuple[int, int, int, int]:
+        """Sequences the router holds, those cached on the draft and the target replica, and those holding a KV
+        reservation on the target replica."""
+        target = describe("target")
         return (
             self.handle.stats.remote().result()["active"],
             describe("draft")["sequences"],
-            describe("target")["sequences"],
+            target["sequences"],
+            target["kv_reserved_sequences"],
         )
 
 
@@ -156,15 +159,15 @@ def test_http_client_disconnect_frees_every_cache(served: Served) -> None:
         assert "choices" in json.loads(next(events)[6:])
         held_mid_stream = served.held()
     # the connection is closed: the client went away mid-stream
-    assert held_mid_stream == (1, 1, 1), "the live sequence is held by the router, the draft and the target"
-    assert wait_until(lambda: served.held() == (0, 0, 0), timeout_s=30), served.held()
+    assert held_mid_stream == (1, 1, 1, 1), "the live sequence is held by the router, the draft and the target"
+    assert wait_until(lambda: served.held() == (0, 0, 0, 0), timeout_s=30), served.held()
 
 
 def test_grpc_client_cancel_frees_every_cache(served: Served) -> None:
     sampling = pb.SamplingParams(max_tokens=900, ignore_eos=True)
     request = pb.GenerateRequest(model=MODEL_NAME, token_ids=pb.TokenIds(ids=prompt_of(2)), sampling=sampling)
 
-    async def cancel_mid_stream() -> tuple[int, int, int]:
+    async def cancel_mid_stream() -> tuple[int, int, int, int]:
         async with grpc.aio.insecure_channel(served.grpc) as channel:
             call = pb_grpc.SpecServeStub(channel).GenerateStream(request, metadata=METADATA)
             await call.read()
@@ -172,8 +175,8 @@ def test_grpc_client_cancel_frees_every_cache(served: Served) -> None:
             call.cancel()
             return held
 
-    assert asyncio.run(cancel_mid_stream()) == (1, 1, 1)
-    assert wait_until(lambda: served.held() == (0, 0, 0), timeout_s=30), served.held()
+    assert asyncio.run(cancel_mid_stream()) == (1, 1, 1, 1)
+    assert wait_until(lambda: served.held() == (0, 0, 0, 0), timeout_s=30), served.held()
 
 
 def test_no_leaks_after_1000_short_requests(served: Served) -> None:
@@ -188,13 +191,13 @@ def test_no_leaks_after_1000_short_requests(served: Served) -> None:
         return list(await asyncio.gather(*[one(i) for i in range(n)]))
 
     asyncio.run(run(100, MAX_ACTIVE))  # warm up: allocator pools, lanes, compiled paths
-    assert wait_until(lambda: served.held() == (0, 0, 0), timeout_s=30)
+    assert wait_until(lambda: served.held() == (0, 0, 0, 0), timeout_s=30)
     before = actor_rss()
     start = time.monotonic()
     results = asyncio.run(run(1000, MAX_ACTIVE))
     elapsed = time.monotonic() - start
     assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 2 + i % 3 for i, r in enumerate(results))
-    assert wait_until(lambda: served.held() == (0, 0, 0), timeout_s=30), served.held()
+    assert wait_until(lambda: served.held() == (0, 0, 0, 0), timeout_s=30), served.held()
     assert served.handle.stats.remote().result()["lanes"] == 0
     after = actor_rss()
     growth = {k: (after.get(k, 0) - v) / 2**20 for k, v in before.items()}

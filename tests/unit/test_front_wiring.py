@@ -8,6 +8,7 @@ replica; greedy output is the target's own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from deploy.app import build_app
 from deploy.config import DRAIN_MARGIN_S, AppConfig
 from deploy.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
+from proto import specserve_pb2 as pb
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
 
@@ -87,3 +89,52 @@ def test_the_routers_own_checks_become_400s(client: TestClient) -> None:
     streamed = client.post("/v1/completions", json=body | {"stream": True})
     assert streamed.status_code == 400 and "0..95" in streamed.json()["error"]["message"]
     assert client.get("/health").json() == {"status": "ok", "model": MODEL_NAME}
+
+
+KV_BUDGET = 256  # under the tiny target's 1,024-token window: the window served is the budget
+
+
+@pytest.fixture(scope="module")
+def small_kv(folders: tuple[Path, Path, Any]) -> Iterator[tuple[TestClient, Ingress, TargetReplica]]:
+    target_dir = str(folders[0])
+    target_cfg = TargetConfig(model=ModelConfig(path=target_dir, dtype="float32"), kv_budget_tokens=KV_BUDGET)
+    target = TargetReplica(target_cfg, shards=LocalShards([TargetShard(target_cfg, 0)]))
+    ingress = Ingress(FRONT, RouterConfig(), None, LocalPool([target]), tokenizer=target_dir)
+    with TestClient(ingress.__serve_build_asgi_app__()) as c:
+        yield c, ingress, target
+
+
+def test_the_front_doors_serve_the_window_the_kv_budget_allows(
+    small_kv: tuple[TestClient, Ingress, TargetReplica],
+) -> None:
+    """/v1/models and gRPC Health report the budget; a request over it is a 400 naming the knob; one that must
+    wait for room is a 429 with Retry-After, served once the sequence holding the room is gone."""
+    client, ingress, target = small_kv
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == KV_BUDGET
+    health = client.portal.call(ingress.Health, pb.HealthRequest())  # type: ignore[union-attr]
+    assert health.context_window == KV_BUDGET
+    body = {"model": MODEL_NAME, "temperature": 0, "ignore_eos": True}
+    over = client.post("/v1/completions", json=body | {"prompt": [5] * 250, "max_tokens": 10})
+    error = over.json()["error"]
+    assert over.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert f"context window of {KV_BUDGET} tokens" in error["message"]
+    assert "target_pool.kv_budget_tokens" in error["message"]
+    waiting = body | {"prompt": [5, 6, 7, 8], "max_tokens": 96}  # 100 tokens: fits the window, not what is left
+
+    def ledger() -> int:
+        return int(client.portal.call(target.describe)["kv_reserved_tokens"])  # type: ignore[union-attr]
+
+    # Another router replica's sequence holds 200 tokens of the replica's budget (the replica keeps the ledger).
+    assert client.portal.call(target.reserve, "other-router-0", 200).granted  # type: ignore[union-attr]
+    refused = client.post("/v1/completions", json=waiting)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == str(FRONT.retry_after_s)
+    message = refused.json()["error"]["message"]
+    assert refused.json()["error"]["code"] == "overloaded" and "KV budget: 200 of 256" in message
+    assert ledger() == 200, "a refused request holds nothing"
+    client.portal.call(target.unreserve, ["other-router-0"])  # type: ignore[union-attr]
+    served = client.post("/v1/completions", json=waiting)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 96
+    deadline = time.monotonic() + 30
+    while ledger() and time.monotonic() < deadline:  # the lane releases it once it is empty
+        time.sleep(0.05)
+    assert ledger() == 0
