@@ -190,10 +190,14 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         sock.close()
 
 
-def save_tiny_pair(root: Path) -> tuple[Path, Path, PreTrainedModel]:
+def save_tiny_pair(root: Path, positions: int | None = None) -> tuple[Path, Path, PreTrainedModel]:
     """`tiny_pair()` as HF folders `root/target` (with `tiny_tokenizer()`) and `root/draft`, as configs name
-    models; also the target model itself (for reference outputs)."""
+    models; also the target model itself (for reference outputs). `positions`: their
+    max_position_embeddings (what bounds the served window), where a test needs longer sequences than
+    1,024 tokens (RoPE's default type computes nothing from it: the outputs do not change)."""
     target, draft = tiny_pair()
+    if positions is not None:
+        target.config.max_position_embeddings = draft.config.max_position_embeddings = positions
     target.save_pretrained(root / "target")
     tiny_tokenizer().save_pretrained(root / "target")
     draft.save_pretrained(root / "draft")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deploy.config import AppConfig
-from tests.actors.conftest import TinyPair, llama_config, prompts_and_lengths, save_random
+from tests.actors.conftest import TinyPair, llama_config, prompts_and_lengths, save_noisy_copy, save_random
 from tests.actors.serve_helpers import deployed, local_ray, replicas
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -39,11 +39,26 @@ def ray_local() -> Iterator[None]:
         yield
 
 
+# Positions for requests that run until the pools have scaled: admission refuses a request whose prompt
+# plus max_tokens (100,000) is over the window, which is at most the models' max_position_embeddings.
+LONG = 1 << 17
+
+
+@pytest.fixture(scope="module")
+def light_pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
+    """The tiny pair with a window for the long requests."""
+    root = tmp_path_factory.mktemp("light")
+    target = save_random(llama_config(max_position_embeddings=LONG), root / "target", seed=0)
+    save_noisy_copy(target, root / "draft", noise=0.05, seed=1)
+    return TinyPair(str(root / "target"), str(root / "draft"))
+
+
 @pytest.fixture(scope="module")
 def heavy_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Same vocabulary as the tiny pair, ~60x the compute per token."""
     path = tmp_path_factory.mktemp("heavy") / "m"
-    config = llama_config(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6)
+    shape = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6}
+    config = llama_config(**shape, max_position_embeddings=LONG)
     save_random(config, Path(path), seed=9)
     return str(path)
 
@@ -93,13 +108,13 @@ def scale_under_load(config: AppConfig, grows: str, stays: str) -> tuple[int, in
     return most[grows], most[stays], grew_at if grew_at is not None else float("nan")
 
 
-def test_draft_bound_load_scales_only_the_draft_pool(ray_local: None, tiny_pair: TinyPair, heavy_model: str) -> None:
-    grown, other, after = scale_under_load(app(tiny_pair.target, heavy_model, 6), "draft", "target")
+def test_draft_bound_load_scales_only_the_draft_pool(ray_local: None, light_pair: TinyPair, heavy_model: str) -> None:
+    grown, other, after = scale_under_load(app(light_pair.target, heavy_model, 6), "draft", "target")
     print(f"draft-bound: draft replicas {grown} after {after:.1f}s, target replicas {other}")
     assert grown == 2 and other == 1
 
 
-def test_target_bound_load_scales_only_the_target_pool(ray_local: None, tiny_pair: TinyPair, heavy_model: str) -> None:
-    grown, other, after = scale_under_load(app(heavy_model, tiny_pair.draft, 1), "target", "draft")
+def test_target_bound_load_scales_only_the_target_pool(ray_local: None, light_pair: TinyPair, heavy_model: str) -> None:
+    grown, other, after = scale_under_load(app(heavy_model, light_pair.draft, 1), "target", "draft")
     print(f"target-bound: target replicas {grown} after {after:.1f}s, draft replicas {other}")
     assert grown == 2 and other == 1

@@ -69,7 +69,7 @@ class App:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
-    target_dir, _, target = save_tiny_pair(Path(tmp_path_factory.mktemp("oom")))
+    target_dir, _, target = save_tiny_pair(Path(tmp_path_factory.mktemp("oom")), positions=1 << 15)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV})
     try:

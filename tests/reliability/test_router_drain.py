@@ -71,7 +71,7 @@ class App:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
-    target_dir, _, target = save_tiny_pair(Path(tmp_path_factory.mktemp("drain")))
+    target_dir, _, target = save_tiny_pair(Path(tmp_path_factory.mktemp("drain")), positions=1 << 14)
     http_port, grpc_port = free_port(), free_port()
     # Read by each Serve proxy at its start (its process inherits this environment through the raylet).
     proxy_env = {
