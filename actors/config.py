@@ -143,6 +143,15 @@ class RouterConfig(BaseModel):
         "it expects (speculative/ahead.py); a verdict that matches starts the next verify at once. Applies while "
         "a lane has one micro-batch group in flight (with two, ping-pong already keeps both pools busy).",
     )
+    ahead_prefill_tokens: int = Field(
+        default=512,
+        ge=0,
+        le=1_000_000,
+        description="A prompt with more tokens than this for the draft model to catch up on is not caught up on "
+        "beside its prefill: the call would hold the draft replica, and the drafts of every other sequence it "
+        "serves, for many rounds. The depth controller then decides when that sequence drafts, pricing its "
+        "catch-up.",
+    )
     max_lane_sequences: int = Field(
         default=16,
         ge=1,

@@ -15,7 +15,8 @@ verify; so is a round with pipelining while only one group holds sequences.
 Round ahead (`speculative/ahead.py`): while a group is verified, the draft pool pre-drafts that
 group's next round from the continuation it expects, for a group of one sequence (at one stream
 nothing else would overlap) and for every sequence in its prefill round (the draft model catches
-up on the prompt beside the target's prefill, never before the first token nor after it). When
+up on the prompt beside the target's prefill, never before the first token nor after it; a prompt
+over `router.ahead_prefill_tokens` is left to the depth controller, which prices its catch-up). When
 the verdict matches, the next verify starts at once with that draft; when not, the sequence is
 drafted again at the next round's start. The round waits for a pre-draft at most as long as its
 verify took; a later one is dropped, and the pool is not called again until it has answered.
@@ -299,7 +300,9 @@ class Lane:
     def _ahead_depth(self, live: Live, group_size: int) -> int:
         """How deep to pre-draft this sequence's next round (0: not at all).
 
-        A sequence in its prefill round drafts its own first depth (its want within the lane's cap);
+        A sequence in its prefill round drafts its own first depth (its want within the lane's cap), if
+        its prompt is no longer than `ahead_prefill_tokens` (a longer catch-up would hold the draft
+        replica, and every other sequence's drafts, for many rounds);
         one drafting alone in its group drafts what the planner chooses for its next round, priced as
         overlapped (a hit hides the draft behind the verify); others are planned at their round's
         start. Only sequences whose tokens do not depend on the draft (greedy, deterministic drafts)
@@ -310,7 +313,7 @@ class Lane:
             return 0
         tree = live.proposal.tree if live.proposal is not None else None
         if not seq.stats.steps:  # prefill: once (a long prompt's later chunk rounds find the draft caught up)
-            if live.draft_seen >= len(seq.tokens):
+            if not 0 < len(seq.tokens) - live.draft_seen <= config.ahead_prefill_tokens:
                 return 0
             depth = speculation.own(seq, group_size, self.target_waiting)
         elif group_size == 1 and tree is not None and tree.size:

@@ -107,3 +107,16 @@ def test_a_draft_replica_yields_the_cpu_to_the_target(tiny_pair: TinyPair) -> No
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.split() == ["0", "7"]
+
+
+def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_beside_its_prefill(tiny_pair: TinyPair) -> None:
+    """A long prompt's catch-up would hold the draft replica, and every other sequence's drafts, for many
+    rounds: beside its prefill only prompts within `ahead_prefill_tokens` are pre-drafted; the output is
+    the target's either way."""
+    prompt, _ = prompts_and_lengths(1, seed=4)[0]
+    for limit, pre_drafted in ((len(prompt), True), (len(prompt) - 1, False)):
+        router = make_router(tiny_pair, ahead_prefill_tokens=limit)
+        result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 12}))
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 12)
+        first = router._records[0]
+        assert (first.ahead is not None) is pre_drafted, limit
