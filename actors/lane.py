@@ -364,7 +364,13 @@ class Lane:
         """Take the pre-drafts that the verdicts (`committed`: each sequence's verdict tokens) matched.
 
         Waits at most `verify_s` (the verify's own duration) for the pre-draft; a later one is left to
-        finish, its drafts dropped (the pool is not called again until it answers)."""
+        finish, its drafts dropped (the pool is not called again until it answers). When every sequence
+        of it is still prefilling (a chunk of a long prompt), nothing of it can be taken: the next chunk's
+        round starts at once, and the draft model's catch-up goes on beside it."""
+        if not any(committed.get(x.seq.seq_id) for x in pre.lives):
+            self._drop(pre)
+            self.ctx.metrics.ahead(len(pre.lives), 0, "settled")  # misses: drafted for a prompt not yet done
+            return None
         done, _ = await asyncio.wait({pre.task}, timeout=verify_s)
         if not done:
             self._drop(pre)
