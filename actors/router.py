@@ -149,8 +149,9 @@ class Router:
             raise ValueError(f"prompt_token_ids: token ids must be integers in 0..{info.vocab_size - 1}")
         assert self._window is not None, "set with the target's info"
         check_window(len(prompt), params.max_tokens, self._window)
-        if len(self._live) >= self.config.max_active_sequences:
-            raise Overloaded(f"{len(self._live)} sequences active (max_active_sequences)")
+        active = len(self._live) + sum(self._joining.values())  # joining: admitted, reservation being asked for
+        if active >= self.config.max_active_sequences:
+            raise Overloaded(f"{active} sequences active (max_active_sequences)")
         seq_id = f"{self.router_id}-{next(self._ids)}"
         index = self._lane_for_new()
         self._joining[index] += 1  # counted as the lane's while its reservation is asked for
