@@ -9,11 +9,11 @@ drafted token costs one token's compute whatever the batch, and speculation can 
 the sequences whose drafts land.
 
 Only attention needs rows: each token attends to its own row's cache. So the model runs on
-input_ids [1, T] (T = the rows' tokens, concatenated); its cache (`PackedCache`) scatters each
-layer's packed keys and values back into the per-row layout [B, kv_heads, n, D] (n = the longest
-row's new tokens; shorter rows leave masked pads, as before); and attention
-(`ATTENTION`, registered with transformers) scatters the queries the same way, runs SDPA with the
-runner's 4D mask over groups of rows of similar length (`batching.ragged_groups`: a prompt beside
+input_ids [1, T] (T = the rows' tokens, concatenated); its cache (`kv_cache.SlotCache`) writes each
+layer's packed keys and values into their rows' slots and returns the rows' whole cache
+[B, kv_heads, C, D]; and attention (`ATTENTION`, registered with transformers) scatters the queries
+into a [rows, m] layout (m = the longest row's new tokens; shorter rows leave masked pads), runs
+SDPA with the runner's 4D mask over groups of rows of similar length (`batching.ragged_groups`: a prompt beside
 decodes is not padded into their attention, nor they into its; when some rows add one token, every
 row's first token goes in one whole-batch call and only the longer rows' rest in groups), and
 gathers the outputs back to
@@ -23,11 +23,11 @@ gathers the outputs back to
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -77,9 +77,22 @@ class Packing:
     with the packing, so attention finds it there; the runner sets it on the cache for the forward.
     """
 
-    mask: torch.Tensor  # [B, 1, n, C + n] additive mask over the cache's columns and the new ones
-    batch: _Block  # every row, n wide: the cache's layout
+    mask: torch.Tensor  # [B, 1, n, C] additive mask over the cache's columns (the new tokens' included)
+    rows: int  # B
     groups: tuple[_Block, ...]  # rows attended together (rows with no new tokens in none)
+    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, compare=False)
+
+    def group_mask(self, group: int, repeat: int) -> torch.Tensor:  # [b, 1, repeat * m, C]
+        """A group's mask rows, repeated `repeat` times along the queries (folded heads): made at the
+        first layer that asks, shared by the others."""
+        found = self._masks.get((group, repeat))
+        if found is None:
+            g = self.groups[group]
+            cols = slice(g.column, g.column + g.width)
+            found = self.mask[:, :, cols] if len(g.rows) == self.rows else self.mask[g.rows, :, cols]
+            found = found.repeat(1, 1, repeat, 1) if repeat > 1 else found
+            self._masks[(group, repeat)] = found
+        return found
 
     @staticmethod
     def of(lengths: list[int], mask: torch.Tensor, device: torch.device) -> Packing:
@@ -102,30 +115,17 @@ class Packing:
             groups = ragged_groups(lengths, ATTENTION_GROUP_OVERHEAD)
             blocks = tuple(_Block.of(sorted(rows), lengths, offsets, device) for rows in groups)
         mask = mask.to(device)
-        pack = Packing(mask, _Block.of(list(range(len(lengths))), lengths, offsets, device), blocks)
+        pack = Packing(mask, len(lengths), blocks)
         setattr(mask, _TAG, pack)  # a tensor attribute, read back by packed_attention
         return pack
-
-
-class PackedCache(DynamicCache):
-    """A DynamicCache that takes a packed forward's keys and values and stores them per row."""
-
-    packing: Packing | None = None  # set by the runner for the duration of a packed forward
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.packing is not None:  # [1, kv_heads, T, D] -> [B, kv_heads, n, D]
-            key_states, value_states = self.packing.batch.scatter(key_states), self.packing.batch.scatter(value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, heads, T, D] packed, or [B, heads, q, D] unpacked
-    key: torch.Tensor,  # [B, kv_heads, C + n, D]
-    value: torch.Tensor,  # [B, kv_heads, C + n, D]
-    attention_mask: torch.Tensor | None,  # a packed forward's: [B, 1, n, C + n], tagged with its Packing
+    key: torch.Tensor,  # [B, kv_heads, C, D]
+    value: torch.Tensor,  # [B, kv_heads, C, D]
+    attention_mask: torch.Tensor | None,  # a packed forward's: [B, 1, n, C], tagged with its Packing
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:  # [1, T, heads, D] (or SDPA's own output when not packed)
     """SDPA for packed forwards; any other call (e.g. `generate` on the same model) is plain SDPA."""
@@ -133,12 +133,12 @@ def packed_attention(
     if p is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outputs = []
-    for g in p.groups:
-        everyone = len(g.rows) == len(p.batch.rows)  # (rows ascending: then the batch as it is)
+    groups = getattr(module, "num_key_value_groups", 1)
+    for i, g in enumerate(p.groups):
+        everyone = len(g.rows) == p.rows  # (rows ascending: then the batch as it is)
         k, v = (key, value) if everyone else (key[g.rows], value[g.rows])
-        cols = slice(g.column, g.column + g.width)
-        mask = p.mask[:, :, cols] if everyone else p.mask[g.rows, :, cols]
-        o = _attend(module, g.scatter(query), k, v, mask, **kwargs)  # [b, m, heads, D]
+        fold = groups if groups > 1 and g.width > 1 and kwargs.get("position_bias") is None else 1
+        o = _attend(module, g.scatter(query), k, v, p.group_mask(i, fold), fold, **kwargs)  # [b, m, heads, D]
         outputs.append(o.reshape(-1, *o.shape[2:]))  # [b * m, heads, D]
     if len(p.groups) == 1 and p.groups[0].target is None:  # no pads: already the packed order
         return outputs[0][None], None
@@ -162,7 +162,8 @@ def _attend(
     query: torch.Tensor,  # [b, heads, m, D]
     key: torch.Tensor,  # [b, kv_heads, C, D]
     value: torch.Tensor,  # [b, kv_heads, C, D]
-    mask: torch.Tensor,  # [b, 1, m, C]
+    mask: torch.Tensor,  # [b, 1, groups * m, C]: each query's mask row, repeated per folded head
+    groups: int,  # query heads per KV head to fold (1: no folding)
     **kwargs: Any,
 ) -> torch.Tensor:  # [b, m, heads, D]
     """SDPA with grouped-query heads folded into the query length, for any m.
@@ -171,13 +172,12 @@ def _attend(
     query head (a copy of the rows' whole cache, heads/kv_heads times, per layer): the queries of
     one KV head's group become one longer query row set, [b, kv, g * m, D], each with its own mask row.
     """
-    groups = getattr(module, "num_key_value_groups", 1)
     b, heads, m, dim = query.shape
-    if groups == 1 or m == 1 or kwargs.get("position_bias") is not None:
+    if groups == 1:
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
     folded = query.reshape(b, heads // groups, groups * m, dim)  # head kv * g + r, query i -> row r * m + i
     folded_module = cast(torch.nn.Module, _OneHeadPerKv(module))  # all SDPA reads of it: the two attributes
-    out, _ = sdpa_attention_forward(folded_module, folded, key, value, mask.repeat(1, 1, groups, 1), **kwargs)
+    out, _ = sdpa_attention_forward(folded_module, folded, key, value, mask, **kwargs)
     # [b, g * m, kv, D] -> [b, m, kv * g, D]
     return out.view(b, groups, m, heads // groups, dim).permute(0, 2, 3, 1, 4).reshape(b, m, heads, dim)
 

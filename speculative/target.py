@@ -29,6 +29,17 @@ from speculative.verify import argmax_decides, verify_tree
 
 
 @dataclass(frozen=True)
+class _Forward:
+    """One verify forward's inputs, per runner row, and what the verdicts need of them."""
+
+    tokens: list[list[int]]  # per runner row: catch-up chain + tree (or a prefill chunk alone)
+    parents: list[list[int]]
+    logits_at: list[list[int]]  # the tree's nodes (none while prefilling)
+    offsets: list[int]  # per item: catch-up tokens before its root
+    prefilling: dict[int, int]  # runner row -> catch-up tokens it gets (no tree: still prefilling)
+
+
+@dataclass(frozen=True)
 class VerifyItem:
     seq_id: str
     tokens: tuple[int, ...]  # committed tokens, prompt included; the last is the tree's root
@@ -61,57 +72,70 @@ class TargetVerifier:
             self.runner.add_rows(new)
         rows = [self.runner.row(i.seq_id) for i in items]
         missing = self.runner.sync(rows, [list(i.tokens) for i in items])
-        tokens: list[list[int]] = [[] for _ in self.runner.rows]
-        parents: list[list[int]] = [[] for _ in self.runner.rows]
-        logits_at: list[list[int]] = [[] for _ in self.runner.rows]
-        offsets = []
+        forward = self._inputs(items, rows, missing)
+        logits = self.runner.forward(forward.tokens, forward.parents, forward.logits_at)  # [P, V], model's device
+        if logits is None:  # every row still prefilling
+            logits = torch.empty(0, self.vocab_size)
+        verdicts, keep = self._verdicts(items, rows, forward, logits)
+        self.runner.commit(keep)
+        return verdicts
+
+    def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:
+        """Each row's catch-up chain with its tree hung after it, within the prefill chunk."""
+        width = len(self.runner.rows)
+        forward = _Forward([[] for _ in range(width)], [[] for _ in range(width)], [[] for _ in range(width)], [], {})
         budget = self.prefill_chunk if self.prefill_chunk is not None else sum(len(m) for m in missing)
-        prefilling: dict[int, int] = {}  # row -> catch-up tokens it gets this forward (no tree: still prefilling)
         for item, row, miss in zip(items, rows, missing, strict=True):
             off = len(miss) - 1  # catch-up tokens before the root
             if off > budget:
-                prefilling[row], budget = budget, 0
-                tokens[row], parents[row] = miss[: prefilling[row]], chain_parents(prefilling[row])
-                offsets.append(0)
+                chunk = forward.prefilling[row] = budget
+                budget = 0
+                forward.tokens[row], forward.parents[row] = miss[:chunk], chain_parents(chunk)
+                forward.offsets.append(0)
                 continue
             budget -= off
             tree = item.proposal.tree
-            tokens[row] = miss[:-1] + list(tree.all_tokens)
-            parents[row] = chain_parents(off) + [p + off if p >= 0 else off - 1 for p in tree.runner_parents()]
-            logits_at[row] = list(range(off, off + tree.size + 1))
-            offsets.append(off)
-        logits = self.runner.forward_packed(tokens, parents, logits_at)  # [P, V], model's device
-        if logits is None:  # every row still prefilling
-            logits = torch.empty(0, self.vocab_size)
-        starts = row_offsets([len(a) for a in logits_at])  # each runner row's first logits row
-        # Greedy rows without penalties need only each node's argmax: taken where the logits are, so
-        # only [P] ids cross to the CPU; the others get float32 distributions there.
+            forward.tokens[row] = miss[:-1] + list(tree.all_tokens)
+            forward.parents[row] = chain_parents(off) + [p + off if p >= 0 else off - 1 for p in tree.runner_parents()]
+            forward.logits_at[row] = list(range(off, off + tree.size + 1))
+            forward.offsets.append(off)
+        return forward
+
+    def _verdicts(
+        self,
+        items: list[VerifyItem],
+        rows: list[int],
+        forward: _Forward,
+        logits: torch.Tensor,  # [P, V]
+    ) -> tuple[list[Verdict], list[list[int]]]:
+        """Each item's verdict and each runner row's kept columns.
+
+        Greedy rows without penalties need only each node's argmax: taken where the logits are, so
+        only [P] ids cross to the CPU; the others get float32 distributions there, in one transfer."""
+        starts = row_offsets([len(a) for a in forward.logits_at])  # each runner row's first logits row
         argmax_only = [argmax_decides(item.params) for item in items]
-        best = logits.argmax(-1).cpu() if any(argmax_only) else None  # [P]
+        best = logits.argmax(-1).tolist() if any(argmax_only) else []  # [P]
         sizes = {row: item.proposal.tree.size + 1 for item, row in zip(items, rows, strict=True)}  # root included
-        spans = {row: slice(starts[row], starts[row] + n) for row, n in sizes.items()}
-        full = [row for row, a in zip(rows, argmax_only, strict=True) if not a and row not in prefilling]
-        host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU, in one transfer
+        full = [row for row, a in zip(rows, argmax_only, strict=True) if not a and row not in forward.prefilling]
+        host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU
         if full:
             index = torch.cat([torch.arange(starts[r], starts[r] + sizes[r]) for r in full]).to(logits.device)
             moved = logits[index].float().cpu().split([sizes[r] for r in full])
             host = dict(zip(full, moved, strict=True))
         verdicts: list[Verdict] = []
         keep: list[list[int]] = [[] for _ in self.runner.rows]
-        for item, row, off, a in zip(items, rows, offsets, argmax_only, strict=True):
-            if row in prefilling:
+        for item, row, off, a in zip(items, rows, forward.offsets, argmax_only, strict=True):
+            if row in forward.prefilling:
                 verdicts.append(Verdict((), ()))
-                keep[row] = list(range(prefilling[row]))
+                keep[row] = list(range(forward.prefilling[row]))
                 continue
             if a:
-                assert best is not None
-                verdict = follow_choices(item.proposal.tree, best[spans[row]].tolist())
+                verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
             else:
                 verdict = verify_tree(item.proposal, host[row], list(item.tokens), item.params)
             verdicts.append(verdict)
             keep[row] = list(range(off)) + [off + node for node in verdict.path]
-        self.runner.commit(keep)
-        return verdicts
+        return verdicts, keep
 
     def release(self, seq_ids: list[str]) -> None:
         known = [s for s in seq_ids if s in self.runner.rows]

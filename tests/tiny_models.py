@@ -60,3 +60,21 @@ def reference_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int)
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def padded_forward(runner, tokens, parents, logits_at=None) -> torch.Tensor | None:
+    """`ModelRunner.forward`'s packed logits laid out as [B, m, V] float32 on the CPU (pads zero)."""
+    flat = runner.forward(tokens, parents, logits_at)
+    if flat is None or logits_at is None:
+        return None
+    out = torch.zeros(len(logits_at), max(max(len(a) for a in logits_at), 1), flat.shape[-1])
+    start = 0
+    for b, at in enumerate(logits_at):
+        out[b, : len(at)] = flat[start : start + len(at)].float().cpu()
+        start += len(at)
+    return out
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:  # [V] the model's next-token logits after `tokens`
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1]

@@ -37,28 +37,29 @@ def timed(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 
 
 
 class ForwardAtContext:
-    """One forward of q new tokens after a prefilled context, repeatable: the cache is reset each call."""
+    """One forward of q new tokens in each of `batch` rows after a prefilled context, repeatable: the
+    cache is reset each call."""
 
-    def __init__(self, model: PreTrainedModel, context: int, q: int, seed: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, context: int, q: int, seed: int = 0, batch: int = 1) -> None:
         self.model, self.base, self.head = model, model.base_model, model.get_output_embeddings()
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
-        prompt = torch.randint(0, vocab, (1, context), generator=gen)
+        prompt = torch.randint(0, vocab, (batch, context), generator=gen)
         self.cache = DynamicCache(config=model.config)
         with torch.no_grad():
             self.base(input_ids=prompt.to(device), cache=self.cache, use_cache=True)
         self.layers: list[Any] = list(self.cache.layers)
         self.saved = [(layer.keys, layer.values) for layer in self.layers]
-        self.ids = torch.randint(0, vocab, (1, q), generator=gen).to(device)  # [1, q]
-        self.positions = (context + torch.arange(q))[None].to(device)  # [1, q]
+        self.ids = torch.randint(0, vocab, (batch, q), generator=gen).to(device)  # [B, q]
+        self.positions = (context + torch.arange(q))[None].expand(batch, q).to(device)  # [B, q]
         allowed = torch.ones(q, context + q, dtype=torch.bool).tril(context)  # causal over context + new
         zero, low = torch.zeros((), dtype=dtype), torch.finfo(dtype).min
         self.mask = torch.where(allowed, zero, low)[None, None].to(device)  # [1, 1, q, context + q]
 
     @torch.no_grad()
-    def __call__(self) -> torch.Tensor:  # [1, q, V] logits
+    def __call__(self) -> torch.Tensor:  # [B, q, V] logits
         for layer, (keys, values) in zip(self.layers, self.saved, strict=True):
             layer.keys, layer.values = keys, values  # back to the context: every call sees the same cache
         out = self.base(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import figures
+from bench.gpu.bandwidth import headline
 from bench.report import markdown_table
 
 
@@ -29,6 +30,12 @@ def markdown(results: dict[str, Any]) -> str:
         "seconds per step; L = tokens per target step; "
         "bound = L*T/(V+D); efficiency = speedup / bound; exact = outputs equal to the target alone's."
     ]
+    head = headline(results)
+    if head:
+        parts.append("## Headline\n\n" + _table([head], list(head)))
+    bound = _section(results, "bound")
+    if isinstance(bound, dict):
+        parts.append("## Bandwidth bound, batch 1 (weights read once per token)\n\n" + _table([bound], list(bound)))
     target = _section(results, "target")
     if isinstance(target, dict):
         parts.append("## Target alone, batch 1\n\n" + _table([target], list(target)))

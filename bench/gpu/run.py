@@ -2,6 +2,8 @@
 
 Sections, each under its own time budget, each wrapped so that a failure prints its error and
 the rest still runs; results are written after every section, so a timeout still returns data:
+- bound: the batch-1 bandwidth bound, bandwidth (the GPU's specification, else a measured copy)
+  over the target's weight bytes (bench/gpu/bandwidth.py), and a headline against it;
 - target: the target alone, batch 1 (T per token) and the references the oracle follows;
 - oracle: speculation with an oracle draft of set acceptance over a grid of (acceptance, k):
   L, V, D, measured speedup, bound L*T/(V+D) and efficiency = speedup / bound;
@@ -9,7 +11,8 @@ the rest still runs; results are written after every section, so a timeout still
   graph, with the graph's logits checked against eager;
 - draft: the 1B draft's forward cost and its real drafting cost D(k) in our decoder, and the
   bound a real 1B draft would reach at the oracle's acceptance rates;
-- batch: target alone vs oracle speculation at batch sizes B (throughput);
+- batch: target alone vs oracle speculation at batch sizes B (throughput), through the runner's
+  slot KV cache (speculative/kv_cache.py) like every section;
 - tp: NCCL tensor parallelism needs 2+ GPUs; skipped with a note on one.
 
     python -m bench.gpu --out DIR            # on a CUDA machine: bf16, the real shapes (~3-5 min)
@@ -29,6 +32,7 @@ import torch
 
 from bench import report
 from bench.gpu import sections as sec
+from bench.gpu.bandwidth import bound_section
 from bench.gpu.random_models import build_model, confident_init
 from bench.gpu.report import markdown, plot
 
@@ -151,6 +155,7 @@ def main() -> None:
         refs.extend(outputs)
         return row
 
+    sections.run("bound", 1.0, lambda _d: bound_section(bench.target))
     if not args.only_batch:
         row = sections.run("target", 0.15, target)
         if row is None:

@@ -154,8 +154,8 @@ class DraftModelDrafter:
     def _forward(
         self, tokens: list[list[int]], parents: list[list[int]], logits_at: list[list[int]]
     ) -> tuple[torch.Tensor, list[int]]:  # [P, V] float32 logits, row by row; each runner row's first of them
-        """One draft forward: the logits asked for, unpadded (`ModelRunner.forward_packed`), on the CPU."""
-        logits = self.runner.forward_packed(tokens, parents, logits_at)
+        """One draft forward: the logits asked for, unpadded (`ModelRunner.forward`), on the CPU."""
+        logits = self.runner.forward(tokens, parents, logits_at)
         assert logits is not None
         return logits.float().cpu(), row_offsets([len(a) for a in logits_at])
 

@@ -21,6 +21,7 @@ from actors.loading import load_lm
 from speculative.runner import ModelRunner
 from speculative.tree import TokenTree
 from tests.actors.conftest import TORCH_EXTENSIONS, TinyPair
+from tests.tiny_models import padded_forward
 
 PROMPTS = [[5, 17, 33, 9, 101, 7], [44, 2 + 1, 250]]
 TREE = TokenTree(7, (11, 12, 13, 14), (0, 0, 1, 1))  # root 7, two children, two grandchildren
@@ -32,7 +33,7 @@ def runner_logits(model: Any) -> torch.Tensor:  # [n+2, V] at the tree of row 0,
     runner.extend([PROMPTS[0][:-1], PROMPTS[1][:-1]])
     tokens = [list(TREE.all_tokens), [PROMPTS[1][-1]]]
     parents = [TREE.runner_parents(), [-1]]
-    logits = runner.forward(tokens, parents, [list(range(TREE.size + 1)), [0]])  # [2, n+1, V], row 1 padded
+    logits = padded_forward(runner, tokens, parents, [list(range(TREE.size + 1)), [0]])  # [2, n+1, V], row 1 padded
     assert logits is not None
     return torch.cat([logits[0], logits[1, :1]])  # the logits asked for (pads are garbage)
 

@@ -12,14 +12,9 @@ from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier, VerifyItem
 from speculative.tree import TokenTree
-from tests.tiny_models import ARCHS, tiny_model
+from tests.tiny_models import ARCHS, full_logits, padded_forward, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [1, 2, 3, 4, 5]]
-
-
-def full_logits(model, tokens: list[int]) -> torch.Tensor:  # [V] next-token logits after `tokens`
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0, -1]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -38,7 +33,7 @@ def test_tree_logits_equal_sequential_decoding(model):
     runner = prefilled(model)
     tree = TokenTree(0, (20, 21, 22, 23), (0, 0, 1, 1))  # two children of the root, two of node 1
     tokens = [[p[-1], *tree.tokens] for p in PROMPTS]
-    logits = runner.forward(tokens, [tree.runner_parents()] * 3, [list(range(5))] * 3)
+    logits = padded_forward(runner, tokens, [tree.runner_parents()] * 3, [list(range(5))] * 3)
     for b, prompt in enumerate(PROMPTS):
         for node in range(tree.size + 1):
             expected = full_logits(model, prompt + tree.path_tokens(node))
@@ -54,8 +49,8 @@ def test_commit_keeps_path_and_rollback_drops_rest(model):
     assert runner.cached[1] == PROMPTS[1] + [21]
     assert runner.cached[2] == PROMPTS[2]
     runner.forward([[30], [31], [32]], [[-1]] * 3, [[0]] * 3)
-    runner.rollback()
-    logits = runner.forward([[40], [41], [42]], [[-1]] * 3, [[0]] * 3)
+    runner.commit([[] for _ in runner.rows])  # rollback: nothing kept
+    logits = padded_forward(runner, [[40], [41], [42]], [[-1]] * 3, [[0]] * 3)
     for b, full in enumerate([PROMPTS[0] + [20, 22, 40], PROMPTS[1] + [21, 41], PROMPTS[2] + [42]]):
         torch.testing.assert_close(logits[b, 0], full_logits(model, full), atol=2e-5, rtol=1e-5)
 
@@ -65,12 +60,12 @@ def test_rows_join_and_leave(model):
     runner.remove_rows(["b"])
     runner.add_rows(["d"])
     runner.extend([[], [], [1, 2]])
-    logits = runner.forward([[40], [41], [3]], [[-1]] * 3, [[0]] * 3)
+    logits = padded_forward(runner, [[40], [41], [3]], [[-1]] * 3, [[0]] * 3)
     for b, full in enumerate([PROMPTS[0][:-1] + [40], PROMPTS[2][:-1] + [41], [1, 2, 3]]):
         torch.testing.assert_close(logits[b, 0], full_logits(model, full), atol=2e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="pending"):
         runner.add_rows(["e"])
-    runner.rollback()
+    runner.commit([[] for _ in runner.rows])  # rollback: nothing kept
     with pytest.raises(ValueError, match="already"):
         runner.add_rows(["a"])
 
@@ -122,19 +117,19 @@ def test_packed_ragged_rows_equal_each_row_alone(model, overhead, monkeypatch):
     runner.extend([p[:-1] for p in PROMPTS] + [[]])  # row d holds nothing yet
     long = list(range(30, 70))
     tokens = [[PROMPTS[0][-1], 20], [], [PROMPTS[2][-1]], long]  # b idle, d prefills 40 tokens
-    logits = runner.forward(tokens, [chain_parents(len(t)) for t in tokens], [[0, 1], [], [0], [39]])
+    logits = padded_forward(runner, tokens, [chain_parents(len(t)) for t in tokens], [[0, 1], [], [0], [39]])
     torch.testing.assert_close(logits[0, 0], full_logits(model, PROMPTS[0]), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(logits[0, 1], full_logits(model, PROMPTS[0] + [20]), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(logits[2, 0], full_logits(model, PROMPTS[2]), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(logits[3, 0], full_logits(model, long), atol=2e-5, rtol=1e-5)
     # A second forward before committing: children of earlier speculative columns (0 and 1).
-    logits = runner.forward([[21], [PROMPTS[1][-1]], [], [5]], [[0], [-1], [], [39]], [[0]] * 4)
+    logits = padded_forward(runner, [[21], [PROMPTS[1][-1]], [], [5]], [[0], [-1], [], [39]], [[0]] * 4)
     torch.testing.assert_close(logits[0, 0], full_logits(model, PROMPTS[0] + [21]), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1, 0], full_logits(model, PROMPTS[1]), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(logits[3, 0], full_logits(model, [*long, 5]), atol=2e-5, rtol=1e-5)
     runner.commit([[0, 1], [40], [0], list(range(40))])  # the first forward took columns 0..39
     assert runner.cached == [PROMPTS[0] + [20], PROMPTS[1], PROMPTS[2], long]
-    logits = runner.forward([[9], [9], [9], [9]], [[-1]] * 4, [[0]] * 4)
+    logits = padded_forward(runner, [[9], [9], [9], [9]], [[-1]] * 4, [[0]] * 4)
     for b, seq in enumerate(runner.cached):
         torch.testing.assert_close(logits[b, 0], full_logits(model, [*seq, 9]), atol=2e-5, rtol=1e-5)
 
@@ -152,7 +147,7 @@ def test_forward_computes_only_the_tokens_given(model):
         runner.extend([[5, 6], [7], [8, 9, 10], [11]])
         seen.clear()
         tokens = [[1, 2, 3, 4, 5], [6], [7], [8]]
-        logits = runner.forward(tokens, [chain_parents(len(t)) for t in tokens], [[4], [0], [0], [0]])
+        logits = padded_forward(runner, tokens, [chain_parents(len(t)) for t in tokens], [[4], [0], [0], [0]])
     finally:
         handle.remove()
     assert seen == [(1, 8)]
@@ -160,18 +155,12 @@ def test_forward_computes_only_the_tokens_given(model):
 
 
 def test_packed_logits_are_the_asked_ones_row_by_row(model):
-    """`forward_packed` returns exactly the logits asked for, rows in order, no pads (the verifier reads
-    row b's at the offset of the counts before it); `forward` lays the same out as [B, m, V]."""
+    """`forward` returns exactly the logits asked for, rows in order, no pads (the verifier reads
+    row b's at the offset of the counts before it)."""
     asks = [[0, 1, 2], [0], [1]]  # row a drafts two tokens, b decodes one, c asks only its second token
     tokens = [[p[-1], 30, 31][: max(a) + 1] for p, a in zip(PROMPTS, asks, strict=True)]
-    parents = [chain_parents(len(t)) for t in tokens]
-    packed_runner, padded_runner = prefilled(model), prefilled(model)
-    flat = packed_runner.forward_packed(tokens, parents, asks)  # [5, V]
-    padded = padded_runner.forward(tokens, parents, asks)  # [3, 3, V]
-    assert flat is not None and padded is not None
-    assert flat.shape[0] == sum(len(a) for a in asks)
-    expected = torch.cat([padded[b, : len(a)] for b, a in enumerate(asks)])  # [5, V]
-    torch.testing.assert_close(flat.float(), expected)
+    flat = prefilled(model).forward(tokens, [chain_parents(len(t)) for t in tokens], asks)  # [5, V]
+    assert flat is not None and flat.shape[0] == sum(len(a) for a in asks)
     # each is the model's own next-token logits after that row's tokens so far
     after = [PROMPTS[0], [*PROMPTS[0], 30], [*PROMPTS[0], 30, 31], PROMPTS[1], [*PROMPTS[2], 30]]
     for row, context in zip(flat, after, strict=True):
