@@ -186,10 +186,11 @@ class RouterConfig(BaseModel):
         description="(max, min) suffix n-gram of prompt lookup (set from the drafter config): the router drafts "
         "by lookup itself (it costs nothing), depths following each sequence's current match.",
     )
-    lookup_quotes_only: bool = Field(
+    lookup_quotes: bool = Field(
         default=False,
-        description="With lookup_ngrams beside a draft model: the router drafts by lookup only sequences quoting "
-        "their context (greedy or deterministic drafts), free; the draft pool drafts the rest.",
+        description="With lookup_ngrams beside a draft model (set from the drafter config): the router drafts by "
+        "lookup only sequences quoting their context (greedy or deterministic drafts), free; the draft pool "
+        "drafts the rest.",
     )
     draft_timeout_s: float = Field(
         default=5.0,

@@ -158,7 +158,7 @@ class Lane:
     def __init__(self, key: str, ctx: LaneContext, on_done: Callable[[Lane], None]) -> None:
         self.key, self.ctx, self._on_done = key, ctx, on_done
         # Nothing to overlap without a draft pool to call: none, or prompt lookup alone (drafted here).
-        pool_drafts = ctx.draft is not None and (ctx.config.lookup_ngrams is None or ctx.config.lookup_quotes_only)
+        pool_drafts = ctx.draft is not None and (ctx.config.lookup_ngrams is None or ctx.config.lookup_quotes)
         n = 2 if ctx.config.pipelining and pool_drafts else 1
         self.groups: list[dict[str, Live]] = [{} for _ in range(n)]
         self.drafted = [False] * n  # group holds proposals not yet verified
@@ -172,7 +172,7 @@ class Lane:
         # Prompt lookup is drafted here (no call) and depths know each match; beside a draft model, quotes only.
         lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
         self.speculation = Speculation(
-            config.depth, ctx.costs, config.drafts_sampled, lookup, config.lookup_quotes_only, ctx.eos_ids, ctx.decode
+            config.depth, ctx.costs, config.drafts_sampled, lookup, config.lookup_quotes, ctx.eos_ids, ctx.decode
         )
         self.round_ahead = ctx.config.round_ahead and pool_drafts
         self._late: asyncio.Task[Drafted] | None = None  # a pre-draft that outlived its round

@@ -266,12 +266,11 @@ class AppConfig(BaseModel):
 
     def router(self) -> RouterConfig:
         drafter = self.drafter
-        quotes = drafter.quotes_by_lookup
-        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or quotes else None
+        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or drafter.lookup_quotes else None
         update = {
             "depth": self.speculation,
             "drafts_sampled": drafter.drafts_sampled,
             "lookup_ngrams": lookup,
-            "lookup_quotes_only": quotes,
+            "lookup_quotes": drafter.lookup_quotes,
         }
         return self.router_pool.router.model_copy(update=update)

@@ -44,7 +44,7 @@ class LocalModels:
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
             costs=costs,
             drafts_sampled=drafter.drafts_sampled,
-            quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.quotes_by_lookup else None,
+            lookup_quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.lookup_quotes else None,
         )
 
     def chat_prompt(self, user: str) -> list[int]:

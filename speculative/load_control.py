@@ -437,7 +437,7 @@ def plan_depths(
     overlapped: bool = False,
     drafts_sampled: bool = True,
     lookup: PromptLookupDrafter | None = None,
-    quotes_only: bool = False,
+    lookup_quotes: bool = False,
     extra_levels: int = 0,
 ) -> Plan:
     """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
@@ -447,7 +447,7 @@ def plan_depths(
     With `lookup` (the drafter is prompt lookup, whose drafts cost nothing to find), depths are weighed
     knowing each sequence's match: none wants no more than its match would draft (no match: nothing,
     not even a probe), and its acceptance leans on that of the lane's drafts from matches as long.
-    With `quotes_only` too, lookup sits beside a draft model: a sequence quoting its context (a match
+    With `lookup_quotes` too, lookup sits beside a draft model: a sequence quoting its context (a match
     whose run is QUOTE_RUN or more) drafts by lookup, free and as deep as the quote goes, where its
     tokens do not depend on the drafter (greedy, or deterministic drafts: `capped`); the draft model
     drafts the rest. Under load, where a draft model no longer pays (its forwards and catching up cost
@@ -472,7 +472,7 @@ def plan_depths(
     # (the match's run class, tokens the lookup would draft), looked up only where a draft is wanted;
     # (0, want) when the drafter is not lookup. Beside a draft model, only capped sequences past their
     # prefill look for a quote, as deep as their room allows (a quote costs no draft forward).
-    if quotes_only and lookup:
+    if lookup_quotes and lookup:
         looked = [min(r, cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
         found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, looked, strict=True)]
         matches = [(n, f) if n >= QUOTE_RUN and f else (0, w) for (n, f), w in zip(found, wants, strict=True)]
@@ -522,12 +522,12 @@ def plan_depths(
     return Plan(depths, runs, catch_ups, predicted)
 
 
-def record_plan(seqs: Seq[Sequence], plan: Plan, quotes_only: bool) -> None:
+def record_plan(seqs: Seq[Sequence], plan: Plan, lookup_quotes: bool) -> None:
     """The round drafts as planned: which drafter each sequence's verdict is tallied by, and what the draft
     model has seen of those it drafts (what `catch_up` counts from; a quote beside it: nothing)."""
     for s, d, run, c in zip(seqs, plan.depths, plan.runs, plan.catch_ups, strict=True):
         s.stats.lookup_run = run
-        if d and not (run and quotes_only):
+        if d and not (run and lookup_quotes):
             s.stats.draft_synced, s.stats.drafted_at, s.stats.draft_catch_up = len(s.tokens), s.stats.steps, c
 
 

@@ -36,6 +36,19 @@ def test_a_draft_pool_only_for_a_draft_model() -> None:
     assert worker is not None and worker.model is not None and worker.model.path == "d"
 
 
+def test_lookup_quotes_hold_beside_a_draft_model_alone() -> None:
+    """`drafter.lookup_quotes` (on by default) reaches the router beside a draft model; without one the
+    router's lookup, if any, drafts every sequence."""
+    expected = {"model": (True, (3, 1)), "lookup": (False, (3, 1)), "hybrid": (False, None), "none": (False, None)}
+    for kind, (quotes, ngrams) in expected.items():
+        args = {"target_model": "t", "draft_model": "d", "drafter": {"kind": kind}}
+        router = AppConfig.model_validate(args).router()
+        assert (router.lookup_quotes, router.lookup_ngrams) == (quotes, ngrams), kind
+    args = {"target_model": "t", "draft_model": "d", "drafter": {"lookup_quotes": False}}
+    off = AppConfig.model_validate(args).router()
+    assert (off.lookup_quotes, off.lookup_ngrams) == (False, None)
+
+
 def test_bundles_one_per_shard_replica_rides_in_the_first() -> None:
     config = AppConfig.model_validate(
         {

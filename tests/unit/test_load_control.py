@@ -41,12 +41,12 @@ def plan(
     c: StepCosts | None,
     cap: int,
     config: DepthConfig = CONFIG,
-    quotes_only: bool = False,
+    lookup_quotes: bool = False,
     **kwargs: Any,
 ) -> list[int]:
     """Plan a round and record it on the sequences, as `round.Speculation.plan` does; its depths."""
-    planned = plan_depths(seqs, config, c, cap, quotes_only=quotes_only, **kwargs)
-    record_plan(seqs, planned, quotes_only)
+    planned = plan_depths(seqs, config, c, cap, lookup_quotes=lookup_quotes, **kwargs)
+    record_plan(seqs, planned, lookup_quotes)
     return planned.depths
 
 
@@ -441,7 +441,7 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
     batch = [seq("q", quoted), seq("s", quoted, sampled)] + [seq(f"c{i}", chance) for i in range(14)]
     c = costs(CPU, {16: 0.06, 2: 0.03})  # 60 ms a unit of depth for 16 sequences: the model does not pay
     c.pooled_accepted, c.pooled_trials = 30.0, 100.0
-    depths = plan(batch, c, 4, model_depth, lookup=lookup, quotes_only=True)
+    depths = plan(batch, c, 4, model_depth, lookup=lookup, lookup_quotes=True)
     assert [s.stats.lookup_run for s in batch[:3]] == [8, 0, 0]  # only the greedy quote drafts by lookup
     assert depths[0] == 4 and depths[2:] == [0] * 14
     assert batch[0].stats.draft_synced == len(quoted) - 1  # the draft model has not seen this round
@@ -469,7 +469,7 @@ def test_planning_changes_nothing_until_the_round_records_it() -> None:
     assert plan_depths([quoting, held], CONFIG, c, 4, lookup=lookup) == first
     assert copy.deepcopy((quoting, held, c)) == before
     assert first.runs[0] == 8 and first.depths[0] > 0  # (a quote, drafted by lookup)
-    record_plan([quoting, held], first, quotes_only=False)
+    record_plan([quoting, held], first, lookup_quotes=False)
     assert quoting.stats.lookup_run == 8 and quoting.stats.drafted_at == 5
 
 
