@@ -15,9 +15,6 @@ the wiring). Errors are status codes with details naming the field:
     DEADLINE_EXCEEDED   a stream ran past `router_pool.router.max_stream_s` (after the messages sent so far)
 
 Tokenizing runs on the front door's threads (`FrontDoor.off_loop`), as on HTTP.
-
-`PlainServicer` hosts the same methods on a plain `grpc.aio` server (tests; a process without
-Serve), applying the status the way Serve's proxy does.
 """
 
 from __future__ import annotations
@@ -60,7 +57,7 @@ _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "ig
 
 
 class StatusContext(Protocol):
-    """What the methods use of a gRPC context: Serve's RayServegRPCContext or `_RecordedStatus`."""
+    """What the methods use of a gRPC context: Serve's RayServegRPCContext (tests: a recording one)."""
 
     def invocation_metadata(self) -> Sequence[tuple[str, Any]]: ...
     def set_code(self, code: grpc.StatusCode) -> None: ...
@@ -252,58 +249,3 @@ def _usage(usage: dict[str, Any]) -> pb.Usage:
         accepted_tokens=int(usage.get("accepted", 0)),
         acceptance_length=float(usage.get("acceptance_length", 0.0)),
     )
-
-
-class _RecordedStatus:
-    """A context for the methods on a plain grpc.aio server: records the status, applied at the end."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.trailing: list[tuple[str, str]] = []
-
-    def invocation_metadata(self) -> Sequence[tuple[str, Any]]:
-        return [(m[0], m[1]) for m in self._context.invocation_metadata() or ()]
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    def set_trailing_metadata(self, trailing_metadata: list[tuple[str, str]]) -> None:
-        self.trailing = trailing_metadata
-
-    async def finish(self) -> None:
-        if self.code is not None and self.code != grpc.StatusCode.OK:
-            if self.trailing:
-                self._context.set_trailing_metadata(tuple(self.trailing))
-            await self._context.abort(self.code, self.details)
-
-
-class PlainServicer(pb_grpc.SpecServeServicer):
-    """`GrpcIngress` methods on a plain grpc.aio server: `add_SpecServeServicer_to_server(PlainServicer(x), server)`."""
-
-    def __init__(self, ingress: GrpcIngress) -> None:
-        self._ingress = ingress
-
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        status = _RecordedStatus(context)
-        response = await self._ingress.Generate(request, grpc_context=status)
-        await status.finish()
-        return response
-
-    async def GenerateStream(  # type: ignore[override]
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        status = _RecordedStatus(context)
-        try:
-            async for message in self._ingress.GenerateStream(request, grpc_context=status):
-                yield message
-        except GrpcStatus:
-            pass  # recorded on `status`
-        await status.finish()
-
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return await self._ingress.Health(request, grpc_context=_RecordedStatus(context))

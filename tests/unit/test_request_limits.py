@@ -14,7 +14,6 @@ the real Qwen and SmolLM2 tokenizers once `make models` has fetched them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -28,11 +27,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deploy import grpc_ingress, openai_api
 from deploy.frontdoor import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, FrontDoor, FrontDoorConfig, RequestError
-from deploy.grpc_ingress import PlainServicer
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.fetched import fetched_dir
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, serve_in_thread, tiny_pair, tiny_tokenizer
+from tests.grpc_helpers import run_grpc
 
 WINDOW = 64
 MiB = 1024 * 1024
@@ -125,19 +124,7 @@ def test_a_10mb_http_body_gets_413_and_the_server_serves_on(server: str) -> None
 def grpc_run(ingress: TinyIngress, scenario: Callable[[pb_grpc.SpecServeStub], Awaitable[Any]]) -> Any:
     """`ingress` on a plain grpc.aio server that, like Serve's proxy, takes messages far over 4 MB."""
     options = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
-
-    async def main() -> Any:
-        server = grpc.aio.server(options=options)
-        pb_grpc.add_SpecServeServicer_to_server(PlainServicer(ingress), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-                return await scenario(pb_grpc.SpecServeStub(channel))
-        finally:
-            await server.stop(grace=None)
-
-    return asyncio.run(main())
+    return run_grpc(ingress, scenario, options)
 
 
 def grpc_request(text: str = "hello world", **sampling: Any) -> pb.GenerateRequest:
