@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, cast
 
 import grpc
-from pydantic import ValidationError
 
 from actors.admission import ContextWindow
 from actors.router import Overloaded, StreamTimeout
@@ -37,12 +36,11 @@ from deploy.frontdoor import (
     check_stops,
     client_error,
     fit_context,
-    from_validation_error,
+    sampling_params,
     too_large,
 )
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from speculative.sampling import SamplingParams
 
 GRPC_SERVICER_FUNCTIONS = [f"{pb_grpc.__name__}.add_SpecServeServicer_to_server"]
 
@@ -179,15 +177,16 @@ async def _admit(
         if request.model:
             front.check_model(request.model)
         window = front.served_window(await backend.info())
-        return await front.off_loop(to_generation, request, front, secrets.randbits(63), window)
+        return await front.off_loop(proto_to_generation, request, front, secrets.randbits(63), window)
     except RequestError as e:
         raise GrpcStatus(_HTTP_TO_GRPC.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
 
 
-def to_generation(
+def proto_to_generation(
     request: pb.GenerateRequest, front: FrontDoor, seed: int, window: ContextWindow | None = None
 ) -> tuple[list[int], dict[str, Any]]:
-    """Prompt token ids and the SamplingParams dict of a request; RequestError names the field.
+    """Prompt token ids and the SamplingParams dict of a GenerateRequest (as `openai_api.openai_to_generation`
+    gives them for HTTP); RequestError names the field.
 
     `window`: what the deployment serves (`FrontDoor.served_window`); None: the front door's own.
 
@@ -210,10 +209,7 @@ def to_generation(
         "stop_token_ids": tuple(s.stop_token_ids),
         "seed": s.seed if s.HasField("seed") else seed,
     }
-    try:
-        return ids, SamplingParams.model_validate(fields).model_dump()
-    except ValidationError as e:
-        raise from_validation_error(e, ("sampling",)) from None
+    return ids, sampling_params(fields, ("sampling",))
 
 
 def _refusal(e: Exception, front: FrontDoor, request: pb.GenerateRequest) -> GrpcStatus | None:
