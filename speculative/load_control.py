@@ -318,83 +318,91 @@ def choose_depths(
     age = costs.verify.age(n)
     if age is None or age > config.refresh_rounds:  # what not drafting costs at this size is unknown or old:
         return depths, None  # a plain round measures it (the alternative every choice is weighed against)
-    catch = catch_ups or [0] * n
-    margins = min_gains or [config.min_gain] * n
-    extra = extra_levels
-    chosen, plain, drafted = _best_depths(
-        wants, acceptances, costs, cap, overlapped, capped, catch, margins, free, extra
-    )
+    catch, margins = catch_ups or [0] * n, min_gains or [config.min_gain] * n
+    priced = _Round(costs, cap, overlapped, capped, catch, margins, free, extra_levels)
+    chosen, plain, drafted = _best_depths(wants, acceptances, priced)
     predicted = None  # what the calibrations compare the round with: expected tokens (undiscounted), draft seconds
     if drafted:
-        predicted = Planned(plain, drafted, _draft_seconds(chosen, costs, catch, free, extra))
-    probes = probes or {}
-    due = [i for i in probes if capped[i] and min(wants[i], cap) and not chosen[i]]
-    if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
-        hope = set(due)
-        hoped = [max(a, config.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
-        would, _, _ = _best_depths(wants, hoped, costs, cap, overlapped, capped, catch, margins, free, extra)
-        due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
-    if due:
-        full = [probes.get(i, c) for i, c in enumerate(catch)]  # a probe pays its catch-up now
-        limit = _seconds(chosen, costs, overlapped, full, free, extra) * (1 + config.probe_cost)
-        for i in sorted(due, key=lambda i: -acceptances[i]):
-            chosen[i] = 1
-            if _seconds(chosen, costs, overlapped, full, free, extra) > limit:
-                chosen[i] = 0
+        predicted = Planned(plain, drafted, priced.draft_seconds(chosen))
+    _add_probes(chosen, wants, acceptances, probes or {}, priced)
     return chosen, predicted
 
 
-def _best_depths(
-    wants: list[int],
-    acceptances: list[float],
-    costs: StepCosts,
-    cap: int,
-    overlapped: bool,
-    capped: list[bool],
-    catch: list[float],
-    margins: list[float],
-    free: list[bool],
-    extra: int,
-) -> tuple[list[int], float, float]:
+@dataclass(frozen=True)
+class _Round:
+    """What prices a measured round's depths: the costs and, per sequence, what its drafting entails."""
+
+    costs: StepCosts
+    cap: int
+    overlapped: bool  # the draft call runs beside the verify forward
+    capped: list[bool]  # [n] False: drafts min(want, cap) whatever the load
+    catch: list[float]  # [n] catch-up tokens charged to this round if the sequence drafts
+    margins: list[float]  # [n] the margin on each sequence's drafted tokens
+    free: list[bool]  # [n] drafts by prompt lookup (no draft call to pay for)
+    extra: int  # draft forwards beyond the depth
+
+    def seconds(self, depths: list[int], catch: list[float] | None = None) -> float:
+        """Predicted seconds of the round drafting `depths` (`catch`: other catch-up charges)."""
+        catch = self.catch if catch is None else catch
+        return _seconds(depths, self.costs, self.overlapped, catch, self.free, self.extra)
+
+    def rate(self, tokens: float, depths: list[int]) -> float:
+        """Expected committed tokens per second of the round drafting `depths`."""
+        return tokens / max(self.seconds(depths), 1e-9)
+
+    def draft_seconds(self, depths: list[int]) -> float:
+        return _draft_seconds(depths, self.costs, self.catch, self.free, self.extra)
+
+
+def _add_probes(
+    chosen: list[int], wants: list[int], acceptances: list[float], probes: dict[int, float], priced: _Round
+) -> None:
+    """Give sequences due a probe (`probes`: index -> its full catch-up) one draft token in `chosen`,
+    best estimate first, while the round stays within `probe_cost` of its length, catch-ups paid in full."""
+    config = priced.costs.config
+    due = [i for i in probes if priced.capped[i] and min(wants[i], priced.cap) and not chosen[i]]
+    if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
+        hope = set(due)
+        hoped = [max(a, config.probe_hope) if i in hope else a for i, a in enumerate(acceptances)]
+        would, _, _ = _best_depths(wants, hoped, priced)
+        due = [i for i in due if would[i]]  # (else whatever it finds, the sequence stays at 0)
+    if due:
+        full = [probes.get(i, c) for i, c in enumerate(priced.catch)]  # a probe pays its catch-up now
+        limit = priced.seconds(chosen, full) * (1 + config.probe_cost)
+        for i in sorted(due, key=lambda i: -acceptances[i]):
+            chosen[i] = 1
+            if priced.seconds(chosen, full) > limit:
+                chosen[i] = 0
+
+
+def _best_depths(wants: list[int], acceptances: list[float], priced: _Round) -> tuple[list[int], float, float]:
     """The depths with the most expected tokens per second (costs measured), the expected tokens of
     the round without the load-capped drafts, and those the chosen drafts add (undiscounted). A drafted
     token counts at its expected number over its sequence's margin: the gains are taken in that order."""
+    cap, capped = priced.cap, priced.capped
     base = [min(w, cap) if not c else 0 for w, c in zip(wants, capped, strict=True)]  # the uncapped
     depths = list(base)
     gains = sorted(  # (counted, expected, sequence) per drafted token
         (
             (a**j / g, a**j, i)
-            for i, (w, a, c, g) in enumerate(zip(wants, acceptances, capped, margins, strict=True))
+            for i, (w, a, c, g) in enumerate(zip(wants, acceptances, capped, priced.margins, strict=True))
             if c
             for j in range(1, min(w, cap) + 1)
         ),
         key=lambda g: -g[0],
     )
     plain = sum(expected_tokens(a, d) for a, d in zip(acceptances, base, strict=True))
-    best_m, best_rate, drafted = 0, _rate(plain, depths, costs, overlapped, catch, free, extra), 0.0
+    best_m, best_rate, drafted = 0, priced.rate(plain, depths), 0.0
     for m, (counted, _, i) in enumerate(gains, start=1):
         depths[i] += 1
         drafted += counted
-        rate = _rate(plain + drafted * costs.calibration, depths, costs, overlapped, catch, free, extra)
+        rate = priced.rate(plain + drafted * priced.costs.calibration, depths)
         if rate > best_rate * (1 + 1e-6):
             best_m, best_rate = m, rate
     chosen = list(base)
     for _, _, i in gains[:best_m]:
         chosen[i] += 1
     return chosen, plain, sum(expected for _, expected, _ in gains[:best_m])
-
-
-def _rate(
-    tokens: float,
-    depths: list[int],
-    costs: StepCosts,
-    overlapped: bool,
-    catch: list[float],
-    free: list[bool],
-    extra: int = 0,
-) -> float:
-    """Expected committed tokens per second of a round drafting `depths` (costs measured)."""
-    return tokens / max(_seconds(depths, costs, overlapped, catch, free, extra), 1e-9)
 
 
 def _seconds(
@@ -459,56 +467,18 @@ def plan_depths(
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
     # A request may cap its own depth (`max_draft_tokens`; 0: no speculation for it).
     room = [max(min(s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
-    wants = [
-        min(own_depth(s.acceptance, s.stats.steps - s.stats.drafted_at, config), r)
-        for s, r in zip(seqs, room, strict=True)
-    ]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
-    # A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
-    # the prompt before the target can start, delaying the first token (and, in a batch, everyone's
-    # round) for at most a round's worth of drafted tokens. Drafting starts from the second round.
-    if priced is not None:
-        wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
-    # (the match's run class, tokens the lookup would draft), looked up only where a draft is wanted;
-    # (0, want) when the drafter is not lookup. Beside a draft model, only capped sequences past their
-    # prefill look for a quote, as deep as their room allows (a quote costs no draft forward).
-    if lookup_quotes and lookup:
-        looked = [min(r, cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
-        found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, looked, strict=True)]
-        matches = [(n, f) if n >= QUOTE_RUN and f else (0, w) for (n, f), w in zip(found, wants, strict=True)]
-    else:
-        matches = [
-            lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)
-        ]
+    wants = _own_wants(seqs, room, capped, config, priced is not None)
+    matches = _lookup_matches(seqs, room, wants, capped, cap, lookup, lookup_quotes)
     wants = [found if n else min(w, found) for w, (n, found) in zip(wants, matches, strict=True)]
     runs = [n for n, _ in matches]
     free = [bool(n) for n in runs]  # drafts by lookup: no draft forward, nothing to catch up on
     catch_ups = [0 if f else catch_up(s) for s, f in zip(seqs, free, strict=True)]  # lookup keeps no cache
     if priced is None:
         return Plan([min(w, cap) for w in wants], runs, catch_ups, None)
-    # A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
-    # a constant, so a workload the draft guesses badly does not draft on every arrival. A lookup match
-    # leans on the lane's drafts from matches in its class, and before there are any on what the run
-    # itself says (`run_prior`): a class that never drafted under load would otherwise stay at the
-    # configured prior, too low to draft at, and never show what its drafts are worth.
-    acceptances = [
-        _match_acceptance(s, run, priced.acceptance_prior(run_prior(run), run))
-        if run
-        else s.acceptance.estimate(priced.acceptance_prior(config.prior_acceptance))
-        for s, run in zip(seqs, runs, strict=True)
-    ]
-    # Catching up is paid once and lets the sequence draft for the rest of its output: charge each
-    # round its share, over the rounds the sequence still has to go at its own depth.
-    rounds_left = [
-        max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
-        for s, a, w in zip(seqs, acceptances, wants, strict=True)
-    ]
-    charged = [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
-    # Every probe_every-th round is a probe round for sequences that have not drafted for as long.
-    probes: dict[int, float] = {}
-    if priced.rounds % config.probe_every == config.probe_every - 1:
-        held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > config.probe_every)
-        probes = {i: float(catch_ups[i]) for i in held}
+    acceptances = _acceptances(seqs, runs, priced, config)
+    charged = _charged_catch_ups(seqs, catch_ups, acceptances, wants)
+    probes = _due_probes(seqs, catch_ups, priced, config)
     # Lookup's estimates from short runs are the least sure (chance matches, right under a third of the
     # time on the load sweep's mix), so their drafted tokens must come at `lookup_min_gain` of plain
     # decoding's price; drafts from runs of QUOTE_RUN tokens or more are quotes and get the common
@@ -520,6 +490,81 @@ def plan_depths(
     if any(s.stats.steps == 0 for s in seqs):  # a prompt rides in this verify: not a sample of drafting
         predicted = None
     return Plan(depths, runs, catch_ups, predicted)
+
+
+def _own_wants(
+    seqs: Seq[Sequence], room: list[int], capped: list[bool], config: DepthConfig, priced: bool
+) -> list[int]:
+    """Each sequence's depth by its own evidence (acceptance, rounds since it drafted), within its room.
+
+    A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
+    the prompt before the target can start, delaying the first token (and, in a batch, everyone's
+    round) for at most a round's worth of drafted tokens. Priced (`priced`), capped sequences draft
+    from their second round."""
+    wants = [
+        min(own_depth(s.acceptance, s.stats.steps - s.stats.drafted_at, config), r)
+        for s, r in zip(seqs, room, strict=True)
+    ]
+    if priced:
+        wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
+    return wants
+
+
+def _lookup_matches(
+    seqs: Seq[Sequence],
+    room: list[int],
+    wants: list[int],
+    capped: list[bool],
+    cap: int,
+    lookup: PromptLookupDrafter | None,
+    lookup_quotes: bool,
+) -> list[tuple[int, int]]:
+    """Per sequence (the match's run class, tokens the lookup would draft), looked up only where a draft
+    is wanted; (0, want) when the drafter is not lookup. Beside a draft model (`lookup_quotes`), only
+    capped sequences past their prefill look for a quote, as deep as their room allows (a quote costs no
+    draft forward), and a match shorter than QUOTE_RUN is left to the draft model."""
+    if lookup_quotes and lookup:
+        looked = [min(r, cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
+        found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, looked, strict=True)]
+        return [(n, f) if n >= QUOTE_RUN and f else (0, w) for (n, f), w in zip(found, wants, strict=True)]
+    return [lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)]
+
+
+def _charged_catch_ups(
+    seqs: Seq[Sequence], catch_ups: list[int], acceptances: list[float], wants: list[int]
+) -> list[float]:
+    """Catching up is paid once and lets the sequence draft for the rest of its output: each round is
+    charged its share, over the rounds the sequence still has to go at its own depth."""
+    rounds_left = [
+        max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
+        for s, a, w in zip(seqs, acceptances, wants, strict=True)
+    ]
+    return [c / r for c, r in zip(catch_ups, rounds_left, strict=True)]
+
+
+def _due_probes(seqs: Seq[Sequence], catch_ups: list[int], costs: StepCosts, config: DepthConfig) -> dict[int, float]:
+    """Every probe_every-th round is a probe round for sequences that have not drafted for as long:
+    index -> the tokens its probe catches up on."""
+    if costs.rounds % config.probe_every != config.probe_every - 1:
+        return {}
+    held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > config.probe_every)
+    return {i: float(catch_ups[i]) for i in held}
+
+
+def _acceptances(seqs: Seq[Sequence], runs: list[int], costs: StepCosts, config: DepthConfig) -> list[float]:
+    """Each sequence's acceptance estimate for this round's drafter.
+
+    A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
+    a constant, so a workload the draft guesses badly does not draft on every arrival. A lookup match
+    leans on the lane's drafts from matches in its class, and before there are any on what the run
+    itself says (`run_prior`): a class that never drafted under load would otherwise stay at the
+    configured prior, too low to draft at, and never show what its drafts are worth."""
+    return [
+        _match_acceptance(s, run, costs.acceptance_prior(run_prior(run), run))
+        if run
+        else s.acceptance.estimate(costs.acceptance_prior(config.prior_acceptance))
+        for s, run in zip(seqs, runs, strict=True)
+    ]
 
 
 def record_plan(seqs: Seq[Sequence], plan: Plan, lookup_quotes: bool) -> None:
