@@ -42,9 +42,9 @@ from actors.metrics import RouterMetrics
 from actors.pools import Pool, replica_lost, verify_failure
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.ahead import ahead_request, assumed_path, take_ahead
+from speculative.costs import Planned, StepCosts
 from speculative.drafters.base import DraftRequest
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import Planned, StepCosts
 from speculative.round import Speculation
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree

@@ -31,7 +31,7 @@ from actors.loading import Resolver, identity, load_decoder
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, ServePool
 from actors.wire import DraftInfo, Reserved, TargetInfo
-from speculative.load_control import StepCosts
+from speculative.costs import StepCosts
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
 

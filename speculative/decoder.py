@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from speculative.costs import StepCosts
 from speculative.depth import DepthConfig
 from speculative.drafters.base import Drafter, Proposal, empty_proposal
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts
 from speculative.round import Drafting, Speculation
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence

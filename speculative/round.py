@@ -18,10 +18,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
+from speculative.costs import Planned, StepCosts
 from speculative.depth import DepthConfig, depth_cap, own_depth
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
-from speculative.load_control import Plan, Planned, StepCosts, plan_depths, record_plan
+from speculative.load_control import Plan, plan_depths, record_plan
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
 

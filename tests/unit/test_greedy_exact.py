@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_match
-from speculative.load_control import QUOTE_RUN, StepCosts
+from speculative.load_control import QUOTE_RUN
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier

@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from speculative.costs import StepCosts, catch_up
 from speculative.depth import DepthConfig
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts, catch_up, plan_depths, record_plan
 from speculative.load_control import choose_depths as choose_planned
+from speculative.load_control import plan_depths, record_plan
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
