@@ -9,8 +9,8 @@ from ray.exceptions import OutOfMemoryError
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
-from actors.lane import StepRecord
 from actors.pools import LocalPool, ReplicaLost
+from actors.records import StepRecord
 from actors.router import Overloaded, Router, StreamTimeout
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
