@@ -169,8 +169,7 @@ class Lane:
         self.predicted[g] = drafting.plan.predicted if len(lives) == len(group) else None
         modelled = drafting.modelled
         self.ctx.metrics.depth.set(sum(drafting.plan.depths) / max(len(seqs), 1))
-        # Prompt lookup drafts here, in the router (~0.1 ms a sequence): a call to the draft pool would
-        # cost more than the lookup.
+        # Prompt lookup drafts here, in the router: a call to the draft pool would cost more than the lookup.
         proposals = [WireProposal.encode(p) if p is not None else None for p in drafting.found]
         half = _Half(seqs=len(lives))
         called_pool = False

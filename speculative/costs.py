@@ -24,13 +24,12 @@ With points (8 tokens, 0.21 s) and (32, 0.39 s), a slope of 7.5 ms per token:
     V(64) = 0.39 + 0.0075 * 32 = 0.63 s
     V(4)  = max(0.21 - 0.0075 * 4, 0.21 * 4 / 8) = 0.18 s
 
-Two factors correct the model where it errs. `calibration`, the drafted tokens rounds committed over
-those expected, discounts every drafted token's expected gain: the sequences whose drafts look best
-are partly the lucky ones. `draft_calibration`, draft calls' seconds over their plans', scales D:
-catching up, charged spread over the rounds a sequence has left, is paid again by a sequence that
-drafts now and then. The verify side keeps its measured curve: a round's seconds drift by several
-percent on a shared machine, which on the whole round would swamp what a few drafting sequences add.
-Plain rounds move both factors back toward 1, so a lane that stopped drafting tries again.
+Two factors correct the model where it errs: `calibration` (drafted tokens committed over those
+expected: the sequences whose drafts look best are partly the lucky ones) scales every drafted
+token's gain, and `draft_calibration` (draft calls' seconds over their plans': a sequence drafting
+now and then pays its catch-up again) scales D. V needs none: its curve is measured directly, and a
+whole round's few-percent drift would swamp what a few drafting sequences add. Plain rounds move
+both back toward 1, so a lane that stopped drafting tries again.
 """
 
 from __future__ import annotations
@@ -83,10 +82,9 @@ class _Curve:
             p.seen = self.clock
 
     def _spread(self) -> list[tuple[float, float]]:
-        """The points by size, neighbours closer than SPREAD x apart averaged into one: a slope is only as
-        good as the sizes it spans. Two buckets' means can sit side by side (16 and 17 tokens: a plain
-        round of 16 and one with a token drafted), and their few-percent noise would then price a
-        drafted token at several times what it costs (seen: 33 ms for 1 token, 8.5 ms measured)."""
+        """The points by size, neighbours closer than SPREAD x apart averaged into one. Two buckets' means
+        can sit side by side (a plain round of 16 tokens, one of 17 with a token drafted), and their
+        few-percent noise would price a drafted token at several times what it costs."""
         pts = sorted((p.x, p.seconds) for p in self.points.values())
         spread = [pts[0]]
         for x, seconds in pts[1:]:
@@ -150,11 +148,8 @@ class StepCosts:
     ) -> None:
         """A verify forward over `seqs` with these draft trees took `seconds`; `accepted`: draft tokens
         each sequence kept (pooled into the lane's acceptance, the prior of sequences that just came).
-
-        It carried each tree's root and nodes, and a sequence's whole prompt when it joined in this
-        step (prefill rides in the same forward): prefill rounds are measurements too, and under
-        load with requests arriving they are most rounds, and the only ones at large sizes.
-        """
+        A sequence that joined in this step carried its whole prompt: prefill rounds are measurements
+        too, and under load the only ones at large sizes."""
         lengths = [t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True)]
         self.verify.observe(sum(lengths), seconds)
         for seq, tree, kept in zip(seqs, trees, accepted, strict=False):
@@ -172,11 +167,8 @@ class StepCosts:
                 seq.stats.lookup_tally[run] = tally(*own, self.config.memory, proposed, kept)
 
     def observe_round(self, predicted: Planned | None, tokens: int) -> None:
-        """A round ended with `tokens` committed; `predicted`: its plan's `Plan.predicted`.
-
-        Drafting rounds calibrate the drafted tokens' expected number against what they delivered;
-        plain rounds let both calibrations drift back toward 1, so drafting is tried again later.
-        """
+        """A round ended with `tokens` committed; `predicted`: its plan's `Plan.predicted` (None: plain,
+        which moves both calibrations back toward 1)."""
         self.rounds += 1
         relax, memory = self.config.calibration_relax, self.config.calibration_memory
         if predicted is None:
@@ -187,11 +179,10 @@ class StepCosts:
             self.calibration = memory * self.calibration + (1 - memory) * ratio
 
     def acceptance_prior(self, default: float, run: int = 0) -> float:
-        """The lane's recent acceptance, leaning on `default` (4 decisions' worth) while it has few:
-        a lane whose first drafts all missed must not conclude that none will ever land. With `run`
-        (prompt lookup: a `lookup.run_class`), that of drafts from matches in that class only: on the
-        load sweep's mix, drafts from runs of 1-4 tokens were right 30 % of the time, from 8 or more
-        every time."""
+        """The lane's recent acceptance, leaning on `default` (4 decisions' worth) while it has few, so
+        first drafts that all missed do not stop drafting for good. With `run` (a `lookup.run_class`),
+        that of lookup drafts from matches in that class only: chance matches land far less often than
+        quotes."""
         pooled = self.pooled_accepted, self.pooled_trials
         accepted, trials = self.pooled_by_match.get(run, (0.0, 0.0)) if run else pooled
         return (accepted + 4.0 * default) / (trials + 4.0)
@@ -200,15 +191,9 @@ class StepCosts:
         self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, planned: Planned | None = None
     ) -> None:
         """A draft call that proposed `trees` for `seqs` took `seconds`; `planned`: the round's plan. Only
-        the draft model's drafts are measured: prompt lookup's cost nothing (`plan_depths` prices them so).
-
-        A call in which the draft model caught up on many tokens (a new sequence's prompt, or one that
-        has not drafted for a while: `catch_up`) measures the cost of catching up per token, beyond
-        what a round of that size costs, not the cost of a round: it would price later rounds out.
-        Against the plan, calls calibrate the draft side as a whole: catching up is charged spread over
-        the rounds a sequence has left, which holds while it keeps drafting; one that drafts now and
-        then pays it again each time it resumes, and those calls take longer than planned.
-        """
+        the draft model's drafts are measured (prompt lookup's cost nothing). A call that caught up on
+        CATCH_UP_MEASURED tokens or more measures catching up per token, beyond what a round of its size
+        costs, not a round: as a round it would price later rounds out."""
         depths = [0 if s.stats.lookup_run else max(t.depths) for s, t in zip(seqs, trees, strict=True)]  # lookup: free
         drafting = [s for s, d in zip(seqs, depths, strict=True) if d]
         if not drafting:
@@ -219,11 +204,8 @@ class StepCosts:
             self.draft_calibration = memory * self.draft_calibration + (1 - memory) * ratio
         caught_up = sum(s.stats.draft_catch_up for s in drafting)
         if caught_up >= CATCH_UP_MEASURED:
-            # Before any round is measured (a lane's first draft call catches up on every prompt), the
-            # whole call is charged to catching up: an upper bound, decayed toward the truth by later
-            # calls. Left unpriced, catching up would cost nothing in every plan until a measured
-            # round came first, and a probe round for 16 held sequences (1,100 tokens to catch up,
-            # 1.5 s) was planned at 83 ms.
+            # Before any round is measured (a lane's first call catches up on every prompt) the whole
+            # call is charged to catching up: an upper bound that later calls decay toward the truth.
             base = self.draft_step(len(drafting)) or 0.0
             if seconds > base * max(depths):
                 per_token = (seconds - base * max(depths)) / caught_up
@@ -241,9 +223,8 @@ class StepCosts:
     ) -> float:
         """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence
         (`free`: drafts by prompt lookup; `extra`: draft forwards beyond the deepest depth)."""
-        nodes = (
-            d if f else round(self.nodes_per_depth * d) for d, f in zip(depths, free, strict=True)
-        )  # lookup: chains
+        # lookup drafts chains; the draft model `nodes_per_depth` nodes per unit of depth
+        nodes = (d if f else round(self.nodes_per_depth * d) for d, f in zip(depths, free, strict=True))
         verify = self.verify(sum(1 + x for x in nodes)) or 0.0
         draft = self.draft_seconds(depths, catch, free, extra) * self.draft_calibration
         return max(verify, draft) if overlapped else verify + draft

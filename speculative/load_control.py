@@ -1,35 +1,29 @@
 """Speculation depth by load: per-sequence draft depths that maximise a batch's committed tokens/s.
 
-`depth.own_depth` says how deep a sequence would draft on its own evidence. Per batch, the right
-depths also depend on what a round costs at that size (`costs.StepCosts`: on a CPU a verify forward
-grows with its tokens; on a GPU it is flat until it turns compute-bound). `plan_depths` chooses
-d_i <= min(want_i, cap) maximising the round's goodput
+`plan_depths` chooses d_i <= min(want_i, cap), want_i the sequence's own depth (`depth.own_depth`),
+maximising the round's goodput
 
     goodput(d) = sum_i E(a_i, d_i) / cost(d)
 
-E = `depth.expected_tokens`, a_i the sequence's acceptance estimate, cost = `StepCosts.round_seconds`.
-Drafted tokens count at 1/`min_gain` of their expected number (1/`lookup_min_gain` for prompt
-lookup's drafts from chance matches, runs under QUOTE_RUN): what drafting adds must come that much
-cheaper per token than plain decoding. The margin is on the drafted part alone; on the whole round's
-rate it would ask one sequence quoting its prompt among 16 to speed up all 16.
+E = `depth.expected_tokens`, a_i the acceptance estimate, cost = `costs.StepCosts.round_seconds`.
+Drafted tokens count at 1/`min_gain` of their expected number (1/`lookup_min_gain` for lookup drafts
+from chance matches, runs under QUOTE_RUN): a margin on the drafted part alone, so one sequence
+quoting its prompt among 16 need not speed up all 16 to draft.
 
-One level deeper in sequence i gains a_i^(d_i+1) expected tokens, so the best allocation of m draft
-tokens takes the m largest gains and only m is searched (`_best_depths`). Two sequences with
-a = 0.9 and 0.5, wanting 2 each, offer gains 0.9, 0.81 (the first) and 0.5, 0.25 (the second):
-m = 3 drafts [2, 1]. m = 0 is plain decoding (no draft call), chosen whenever the costs say
-speculation does not pay, so under heavy load throughput falls back to that with speculation off,
-while a sequence quoting its prompt (prompt lookup: nothing to pay for drafting) keeps drafting.
+One level deeper in sequence i gains a_i^(d_i+1) expected tokens, so the best m draft tokens are the
+m largest gains and only m is searched. With a = 0.9 and 0.5, each wanting 2, the gains are 0.9,
+0.81 and 0.5, 0.25: m = 3 drafts [2, 1]. m = 0 is plain decoding, chosen whenever speculation does
+not pay: under heavy load throughput falls back to that without speculation, while a sequence
+quoting its prompt (prompt lookup: free to draft) keeps drafting.
 
-Every choice is weighed against the plain round, so V at the batch's size must have been measured
-within the last `refresh_rounds` verifies; otherwise the round is plain and measures it. Before any
-measurement every sequence drafts min(want, cap). A sequence's first round is its prefill alone, so
-speculation never delays a first token.
+Every choice is weighed against the plain round, so the verify cost at the batch's size must have
+been measured within `refresh_rounds` rounds; otherwise the round is plain and measures it. Before
+any measurement every sequence drafts min(want, cap). A sequence's first round is its prefill alone.
 
-Depths change which tokens are drafted, never which are committed under greedy decoding or
-target-sample matching (deterministic drafts). Under rejection sampling (sampled drafts) they change
-which tokens are committed, though not their distribution: such sequences are not load-capped
-(`capped` False), so a seeded request gives the same tokens at any load and when replayed after a
-failure.
+Depths never change the committed tokens under greedy decoding or deterministic drafts. Under
+rejection sampling (sampled drafts) they change which tokens are committed, not their distribution:
+such sequences are not load-capped (`capped` False), so a seeded request gives the same tokens at
+any load and on replay after a failure.
 """
 
 from __future__ import annotations
@@ -61,21 +55,13 @@ def choose_depths(
     free: list[bool] | None = None,  # [n] True: drafts by prompt lookup (no draft call to pay for)
     extra_levels: int = 0,  # draft forwards beyond the depth (a pre-draft also drafts its guess of the bonus)
 ) -> tuple[list[int], Planned | None]:
-    """Per-sequence depths within min(want, cap) with the most expected tokens per second, and the
-    round's prediction (None where the round is not priced: unmeasured, plain, or only uncapped drafts).
+    """Per-sequence depths within min(want, cap) with the most expected tokens per second (the
+    allocation above), and the round's prediction (None: not priced, as unmeasured or plain rounds).
 
-    Drafting one level deeper in sequence i adds a_i^(d+1) expected tokens (the chance that every
-    token down to it is accepted) and `nodes_per_depth` tokens to the verify forward, so the best
-    allocation of m draft tokens takes the m largest such gains; m is chosen by the measured costs.
-    Before the costs are measured every sequence gets min(want, cap).
-
-    A sequence kept at depth 0 gathers no evidence, so an estimate that fell while the text was
-    unpredictable (a preamble before the quoted code) would hold it there for good: sequences due a
-    probe draft one token if, catch-up paid in full, that makes the round at most `probe_cost`
-    longer, and only where drafts as good as `probe_hope` would pay at this load: where not even
-    they would (a draft model under heavy load), what a probe finds could change nothing. Probes
-    come in rounds of their own (`plan_depths`), so under load they share one forward and one draft
-    call instead of taxing every round.
+    A sequence at depth 0 gathers no evidence, so an estimate that fell in an unpredictable stretch
+    (a preamble before quoted code) would hold it there: a sequence due a probe drafts one token where
+    that makes the round at most `probe_cost` longer, its catch-up paid in full, and drafts as good as
+    `probe_hope` would pay at this load (else what a probe finds could change nothing).
     """
     config = costs.config
     n = len(wants)
@@ -129,8 +115,8 @@ class _Round:
 def _add_probes(
     chosen: list[int], wants: list[int], acceptances: list[float], probes: dict[int, float], priced: _Round
 ) -> None:
-    """Give sequences due a probe (`probes`: index -> its full catch-up) one draft token in `chosen`,
-    best estimate first, while the round stays within `probe_cost` of its length, catch-ups paid in full."""
+    """One draft token in `chosen` for each sequence due a probe (`probes`: index -> its catch-up) that
+    passes `choose_depths`'s test, best estimate first."""
     config = priced.costs.config
     due = [i for i in probes if priced.capped[i] and min(wants[i], priced.cap) and not chosen[i]]
     if due:  # a probe is worth its cost only if drafts as good as `probe_hope` would pay at this load
@@ -197,20 +183,14 @@ def plan_depths(
     lookup_quotes: bool = False,
     extra_levels: int = 0,
 ) -> Plan:
-    """Each sequence's draft depth this round: its own (acceptance, room left) within `cap`, and with
-    `costs` (and `config.load_adaptive`) within the load cap too, except for sequences whose tokens
-    depend on depth (sampled drafts).
+    """The round's plan: each sequence's depth within its room and `cap`, priced by `costs` where
+    `config.load_adaptive` (not sequences whose tokens depend on depth: sampled drafts).
 
-    With `lookup` (the drafter is prompt lookup, whose drafts cost nothing to find), depths are weighed
-    knowing each sequence's match: none wants no more than its match would draft (no match: nothing,
-    not even a probe), and its acceptance leans on that of the lane's drafts from matches as long.
-    With `lookup_quotes` too, lookup sits beside a draft model: a sequence quoting its context (a match
-    whose run is QUOTE_RUN or more) drafts by lookup, free and as deep as the quote goes, where its
-    tokens do not depend on the drafter (greedy, or deterministic drafts: `capped`); the draft model
-    drafts the rest. Under load, where a draft model no longer pays (its forwards and catching up cost
-    about what its accepted tokens save), quotes still do. `Plan.runs` says which drafter a sequence's
-    depth is for: a match's run class for lookup, 0 for the draft model. `extra_levels`: draft forwards
-    the call makes beyond the depth (a pre-draft, `ahead.ahead_request`, drafts its guess first).
+    `lookup`: prompt lookup drafts in the router, and each depth knows its sequence's match (no
+    match: no draft). With `lookup_quotes` the lookup sits beside a draft model and drafts only
+    quotes (runs of QUOTE_RUN or more; greedy or deterministic drafts), free and as deep as the quote
+    goes, so they still pay under load where the draft model does not; the draft model drafts the rest.
+    `extra_levels`: draft forwards beyond the depth (a pre-draft drafts its guess of the bonus first).
     """
     priced = costs if config.load_adaptive else None
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
@@ -228,10 +208,9 @@ def plan_depths(
     acceptances = _acceptances(seqs, runs, priced, config)
     charged = _charged_catch_ups(seqs, catch_ups, acceptances, wants)
     probes = _due_probes(seqs, catch_ups, priced, config)
-    # Lookup's estimates from short runs are the least sure (chance matches, right under a third of the
-    # time on the load sweep's mix), so their drafted tokens must come at `lookup_min_gain` of plain
-    # decoding's price; drafts from runs of QUOTE_RUN tokens or more are quotes and get the common
-    # margin, so a sequence quoting its prompt drafts under load.
+    # Lookup's estimates from short runs are the least sure (chance matches), so their drafted tokens
+    # must come at `lookup_min_gain` of plain decoding's price; drafts from runs of QUOTE_RUN tokens or
+    # more are quotes and get the common margin, so a sequence quoting its prompt drafts under load.
     margins = [config.lookup_min_gain if run and run < QUOTE_RUN else config.min_gain for run in runs]
     depths, predicted = choose_depths(
         wants, acceptances, priced, cap, overlapped, capped, charged, probes, margins, free, extra_levels
@@ -244,12 +223,9 @@ def plan_depths(
 def _own_wants(
     seqs: Seq[Sequence], room: list[int], capped: list[bool], config: DepthConfig, priced: bool
 ) -> list[int]:
-    """Each sequence's depth by its own evidence (acceptance, rounds since it drafted), within its room.
-
-    A sequence's first round is its prefill alone: drafting in it would have the draft model prefill
-    the prompt before the target can start, delaying the first token (and, in a batch, everyone's
-    round) for at most a round's worth of drafted tokens. Priced (`priced`), capped sequences draft
-    from their second round."""
+    """Each sequence's depth by its own evidence, within its room. Priced, a capped sequence drafts from
+    its second round: drafting in its prefill round would have the draft model prefill the prompt
+    before the target starts, delaying the first token and everyone's round in the batch."""
     wants = [
         min(own_depth(s.acceptance, s.stats.steps - s.stats.drafted_at, config), r)
         for s, r in zip(seqs, room, strict=True)
@@ -268,10 +244,9 @@ def _lookup_matches(
     lookup: PromptLookupDrafter | None,
     lookup_quotes: bool,
 ) -> list[tuple[int, int]]:
-    """Per sequence (the match's run class, tokens the lookup would draft), looked up only where a draft
-    is wanted; (0, want) when the drafter is not lookup. Beside a draft model (`lookup_quotes`), only
-    capped sequences past their prefill look for a quote, as deep as their room allows (a quote costs no
-    draft forward), and a match shorter than QUOTE_RUN is left to the draft model."""
+    """Per sequence (the match's run class, tokens the lookup would draft), or (0, want) for the draft
+    model. Beside one (`lookup_quotes`), capped sequences past their prefill look for a quote as deep
+    as their room allows, and a match shorter than QUOTE_RUN is left to the draft model."""
     if lookup_quotes and lookup:
         looked = [min(r, cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
         found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, looked, strict=True)]
@@ -282,8 +257,7 @@ def _lookup_matches(
 def _charged_catch_ups(
     seqs: Seq[Sequence], catch_ups: list[int], acceptances: list[float], wants: list[int]
 ) -> list[float]:
-    """Catching up is paid once and lets the sequence draft for the rest of its output: each round is
-    charged its share, over the rounds the sequence still has to go at its own depth."""
+    """Each sequence's catch-up spread over the rounds it has left at its own depth: it is paid once."""
     rounds_left = [
         max((s.params.max_tokens - len(s.output)) / expected_tokens(a, max(w, 1)), 1.0)
         for s, a, w in zip(seqs, acceptances, wants, strict=True)
@@ -292,8 +266,7 @@ def _charged_catch_ups(
 
 
 def _due_probes(seqs: Seq[Sequence], catch_ups: list[int], costs: StepCosts, config: DepthConfig) -> dict[int, float]:
-    """Every probe_every-th round is a probe round for sequences that have not drafted for as long:
-    index -> the tokens its probe catches up on."""
+    """Every probe_every-th round, the sequences that have not drafted for as long: index -> catch-up."""
     if costs.rounds % config.probe_every != config.probe_every - 1:
         return {}
     held = (i for i, s in enumerate(seqs) if s.stats.steps - s.stats.drafted_at > config.probe_every)
@@ -301,13 +274,10 @@ def _due_probes(seqs: Seq[Sequence], catch_ups: list[int], costs: StepCosts, con
 
 
 def _acceptances(seqs: Seq[Sequence], runs: list[int], costs: StepCosts, config: DepthConfig) -> list[float]:
-    """Each sequence's acceptance estimate for this round's drafter.
-
-    A new sequence's estimate leans on its prior for a few steps: the lane's recent acceptance, not
-    a constant, so a workload the draft guesses badly does not draft on every arrival. A lookup match
-    leans on the lane's drafts from matches in its class, and before there are any on what the run
-    itself says (`run_prior`): a class that never drafted under load would otherwise stay at the
-    configured prior, too low to draft at, and never show what its drafts are worth."""
+    """Each sequence's acceptance estimate for its drafter. A new sequence leans on the lane's recent
+    acceptance, so a workload the draft guesses badly does not draft on every arrival; a lookup match
+    leans on the lane's drafts from its run class, and before there are any on `run_prior`, so a class
+    that never drafted is not held at a prior too low to draft at."""
     return [
         _match_acceptance(s, run, costs.acceptance_prior(run_prior(run), run))
         if run
@@ -327,8 +297,7 @@ def record_plan(seqs: Seq[Sequence], plan: Plan, lookup_quotes: bool) -> None:
 
 def _match_acceptance(seq: Sequence, run: int, prior: float) -> float:
     """A lookup draft's acceptance from this sequence's drafts off matches in run class `run`, leaning on
-    the lane's (`prior`, 4 decisions' worth): chance matches in a preamble that missed say little about
-    the long runs of the code the sequence then quotes."""
+    the lane's (`prior`, 4 decisions' worth)."""
     accepted, trials = seq.stats.lookup_tally.get(run, (0.0, 0.0))
     return min(max((accepted + 4.0 * prior) / (trials + 4.0), 1e-3), 0.999)
 

@@ -128,7 +128,7 @@ def test_curve_interpolates_and_extrapolates() -> None:
 
 def test_a_drafted_token_is_priced_by_a_slope_over_well_spread_sizes() -> None:
     """A plain round of 16 and one of 17 (a token drafted) land in neighbouring buckets; their slope is
-    mostly noise (here 33 ms for a token that costs ~8.5, as traced at c = 16 on this CPU)."""
+    mostly noise (here 33 ms for a token that costs about 8.5)."""
     c = costs({8: 0.217, 16: 0.279, 17: 0.312, 45: 0.543}, {})
     per_token = (c.verify(20) - c.verify(16)) / 4
     assert 0.007 < per_token < 0.011
@@ -385,8 +385,7 @@ def test_prompt_lookup_drafts_are_free_and_never_wait_for_a_draft_measurement() 
     lookup has no cache and no forward, so its drafts cost nothing to catch up on, its rounds measure
     nothing, and a lane that never called a draft model plans from the verify curve alone: with the
     draft side unmeasured, a draft model's lane drafts as deep as allowed once to learn it, which a
-    lookup lane must not (a cold lane at c = 16 did so for three rounds: 54 drafted tokens, most
-    missed)."""
+    lookup lane must not (it would draft its chance matches unpriced, round after round)."""
     lookup = PromptLookupDrafter(max_ngram=3)
     quoting = Sequence("q", list(range(40)) + [5, 6, 7], GREEDY)
     quoting.stats.steps = 1  # prefilled; never drafted
@@ -405,9 +404,8 @@ def test_prompt_lookup_drafts_are_free_and_never_wait_for_a_draft_measurement() 
 def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
     """A lane's first draft call catches up on every prompt, before any round is measured. Its seconds
     price catching up (the whole call: an upper bound), so 16 sequences that would each catch up on a
-    70-token prompt to draft are seen to cost that; left unpriced, as before, catching up cost nothing
-    in every plan until a call came after a measured round (traced at c = 16: a round of 16 such
-    drafts planned at 83 ms took 1.5 s)."""
+    70-token prompt to draft are seen to cost that; left unpriced, catching up would cost nothing in
+    every plan until a call came after a measured round."""
     seqs = [Sequence(f"s{i}", list(range(70)), GREEDY) for i in range(16)]
     for s in seqs:
         s.stats.steps, s.stats.draft_catch_up = 1, 70
