@@ -1,10 +1,12 @@
 """Per-group worker state: one cache owner per (router lane, micro-batch group), evicted when idle.
 
 Workers keep a separate cache owner (a `TargetVerifier` or a drafter, each with its own
-`ModelRunner` over the one shared model) per group key `"<router>/<lane>/<group>"`. A forward
-pads every row of its runner, so mixing the two ping-pong halves in one runner would make
-verifying half the sequences cost as much as verifying all of them. Keys also keep router
-replicas apart (caches keyed by router replica and sequence: docs/design.md, "Pools, placement, scaling").
+`ModelRunner` over the one shared model) per group key `"<router>/<lane>/<group>"`. A runner's
+forward and commit act on all of its rows at once (`speculative/runner.py`), so each ping-pong half
+has a runner of its own and a verify or a draft of one half never carries the other half's rows.
+(Forwards are packed, `speculative/packing.py`: a row costs compute only for the tokens it adds.)
+Keys also keep router replicas apart (caches keyed by router replica and sequence: docs/design.md,
+"Pools, placement, scaling").
 """
 
 from __future__ import annotations

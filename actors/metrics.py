@@ -14,7 +14,7 @@ Names are permanent (dashboards depend on them):
 - specserve_queue_depth: sequences active in the router replica;
 - specserve_speculation_depth: mean draft depth of the last drafted micro-batch;
 - specserve_replica_up: 1 per live draft / target replica (sum by deployment = replicas per pool);
-- specserve_predraft_sequences_total{outcome}: sequences pre-drafted round ahead (`actors/lane.py`),
+- specserve_predraft_sequences_total{outcome}: sequences pre-drafted round ahead (`actors/round_ahead.py`),
   by outcome: hit (the next round's proposal), miss (redrafted), late (answered after its round);
   hit rate = hit / (hit + miss + late);
 - specserve_draft_tokens_unverified_total: draft tokens computed that no verify will see (missed

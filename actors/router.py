@@ -26,12 +26,13 @@ from typing import Any
 
 from actors.admission import ContextWindow
 from actors.config import RouterConfig
-from actors.lane import Lane, LaneContext, Live, StepRecord
+from actors.lane import Lane, LaneContext
 from actors.loading import Resolver, identity, load_decoder
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, ServePool
+from actors.records import Live, StepRecord
 from actors.wire import DraftInfo, Reserved, TargetInfo
-from speculative.load_control import StepCosts
+from speculative.costs import StepCosts
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
 

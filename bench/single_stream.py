@@ -23,9 +23,9 @@ import torch
 
 from bench import figures, report
 from deploy.local import LocalModels
+from speculative.costs import StepCosts
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
-from speculative.load_control import StepCosts
 from speculative.sampling import SamplingParams
 
 NAME = "single_stream"

@@ -28,11 +28,6 @@ from deploy.models import resolve
 # Lane calls go to the lane's pinned replica (actors/affinity.py).
 _AFFINITY = {"request_router_class": f"{LaneAffinityRouter.__module__}.{LaneAffinityRouter.__name__}"}
 
-# The resource Ray gives a node for its detected accelerator (ray._common.utils), and the share of it
-# a request of `accelerator_type` takes (as Ray's own `accelerator_type` option does).
-_ACCELERATOR_PREFIX = "accelerator_type:"
-_ACCELERATOR_SHARE = 0.001
-
 # Draft and target calls are the hot path (one per lane per round): no per-call access log.
 _QUIET = {"enable_access_log": False}
 
@@ -45,7 +40,7 @@ def build_app(config: AppConfig) -> Application:
         pool = config.draft_pool
         draft = serve.deployment(
             name="draft",
-            ray_actor_options=_draft_actor_options(config),
+            ray_actor_options=pool.actor_options(),
             max_ongoing_requests=pool.max_ongoing_requests,
             request_router_config=_AFFINITY,
             logging_config=_QUIET,
@@ -55,7 +50,7 @@ def build_app(config: AppConfig) -> Application:
     target = serve.deployment(
         name="target",
         ray_actor_options={"num_cpus": target_pool.replica_num_cpus, "num_gpus": 0},
-        placement_group_bundles=_bundles(config),
+        placement_group_bundles=target_pool.bundles(config.tp_size),
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=target_pool.max_ongoing_requests,
         health_check_period_s=target_pool.health_check_period_s,
@@ -77,36 +72,6 @@ def build_app(config: AppConfig) -> Application:
         return serve.deployment(**options)(Router).bind(config.router(), draft, target, **kwargs)
     ingress = serve.deployment(**options)(serve.ingress()(Ingress))
     return ingress.bind(config.front_door, config.router(), draft, target, **kwargs)
-
-
-def _draft_actor_options(config: AppConfig) -> dict[str, Any]:
-    """A draft replica's resources; custom resources and accelerator type pin it to draft nodes."""
-    pool = config.draft_pool
-    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
-    if pool.resources:
-        options["resources"] = dict(pool.resources)
-    if pool.accelerator_type is not None:
-        options["accelerator_type"] = pool.accelerator_type
-    return options
-
-
-def _bundles(config: AppConfig) -> list[dict[str, float]]:
-    """One bundle per shard; the replica actor (no GPU) rides in bundle 0, as Serve requires.
-
-    Every bundle carries the pool's custom resources (and accelerator type), so STRICT_PACK puts the
-    whole group on one target node; the shards then take only CPU/GPU inside their bundle.
-    """
-    pool = config.target_pool
-    bundles = []
-    for rank in range(config.tp_size):
-        bundle = {"CPU": pool.shard_num_cpus + (pool.replica_num_cpus if rank == 0 else 0.0)}
-        if pool.shard_num_gpus:
-            bundle["GPU"] = pool.shard_num_gpus
-        bundle.update(pool.resources)
-        if pool.accelerator_type is not None:
-            bundle[_ACCELERATOR_PREFIX + pool.accelerator_type] = _ACCELERATOR_SHARE
-        bundles.append(bundle)
-    return bundles
 
 
 def app_builder(args: dict[str, Any]) -> Application:

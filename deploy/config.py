@@ -46,6 +46,11 @@ NodeResources = Annotated[
 ]
 AcceleratorType = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
+# The resource Ray gives a node for its detected accelerator (ray._common.utils), and the share of it
+# a request of `accelerator_type` takes (as Ray's own `accelerator_type` option does).
+ACCELERATOR_PREFIX = "accelerator_type:"
+ACCELERATOR_SHARE = 0.001
+
 
 class Autoscaling(BaseModel):
     """One pool's replica count: fixed (min == max) or scaled by Serve on the pool's own signal."""
@@ -136,6 +141,15 @@ class DraftPoolConfig(BaseModel):
     kv_memory_fraction: KvMemoryFraction = 0.5
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count.")
 
+    def actor_options(self) -> dict[str, Any]:
+        """A draft replica's `ray_actor_options`; custom resources and accelerator type pin it to draft nodes."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        if self.accelerator_type is not None:
+            options["accelerator_type"] = self.accelerator_type
+        return options
+
 
 class TargetPoolConfig(BaseModel):
     """Target replicas: `tp_size` shard actors each, in one STRICT_PACK placement group."""
@@ -174,6 +188,24 @@ class TargetPoolConfig(BaseModel):
         description="Where DeepSpeed's CPU all-reduce op is compiled once.",
     )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count (TP groups).")
+
+    def bundles(self, tp_size: int) -> list[dict[str, float]]:
+        """A replica's `placement_group_bundles`: one per shard; the replica actor (no GPU) rides in
+        bundle 0, as Serve requires.
+
+        Every bundle carries the pool's custom resources (and accelerator type), so STRICT_PACK puts the
+        whole group on one target node; the shards then take only CPU/GPU inside their bundle.
+        """
+        bundles = []
+        for rank in range(tp_size):
+            bundle = {"CPU": self.shard_num_cpus + (self.replica_num_cpus if rank == 0 else 0.0)}
+            if self.shard_num_gpus:
+                bundle["GPU"] = self.shard_num_gpus
+            bundle.update(self.resources)
+            if self.accelerator_type is not None:
+                bundle[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_SHARE
+            bundles.append(bundle)
+        return bundles
 
 
 class RouterPoolConfig(BaseModel):
@@ -266,12 +298,11 @@ class AppConfig(BaseModel):
 
     def router(self) -> RouterConfig:
         drafter = self.drafter
-        quotes = drafter.quotes_by_lookup
-        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or quotes else None
+        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or drafter.lookup_quotes else None
         update = {
             "depth": self.speculation,
             "drafts_sampled": drafter.drafts_sampled,
             "lookup_ngrams": lookup,
-            "lookup_quotes_only": quotes,
+            "lookup_quotes": drafter.lookup_quotes,
         }
         return self.router_pool.router.model_copy(update=update)

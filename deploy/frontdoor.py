@@ -240,6 +240,15 @@ def from_validation_error(error: ValidationError, prefix: tuple[int | str, ...] 
     return RequestError(f"{param}: {message}" if param else message, param=param)
 
 
+def sampling_params(fields: dict[str, Any], prefix: tuple[int | str, ...] = ()) -> dict[str, Any]:
+    """The router's SamplingParams dict of a front door's fields (None: the default); a value out of
+    bounds is a RequestError naming its field, under `prefix` ("sampling" on gRPC)."""
+    try:
+        return SamplingParams.model_validate({k: v for k, v in fields.items() if v is not None}).model_dump()
+    except ValidationError as e:
+        raise from_validation_error(e, prefix) from None
+
+
 # The router's admission errors name a field ("top_p: ...", "prompt_token_ids: ..."): those are the client's.
 _ROUTER_FIELDS = frozenset(SamplingParams.model_fields) | {"prompt_token_ids"}
 

@@ -15,9 +15,6 @@ the wiring). Errors are status codes with details naming the field:
     DEADLINE_EXCEEDED   a stream ran past `router_pool.router.max_stream_s` (after the messages sent so far)
 
 Tokenizing runs on the front door's threads (`FrontDoor.off_loop`), as on HTTP.
-
-`PlainServicer` hosts the same methods on a plain `grpc.aio` server (tests; a process without
-Serve), applying the status the way Serve's proxy does.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, cast
 
 import grpc
-from pydantic import ValidationError
 
 from actors.admission import ContextWindow
 from actors.router import Overloaded, StreamTimeout
@@ -40,12 +36,11 @@ from deploy.frontdoor import (
     check_stops,
     client_error,
     fit_context,
-    from_validation_error,
+    sampling_params,
     too_large,
 )
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from speculative.sampling import SamplingParams
 
 GRPC_SERVICER_FUNCTIONS = [f"{pb_grpc.__name__}.add_SpecServeServicer_to_server"]
 
@@ -60,7 +55,7 @@ _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "ig
 
 
 class StatusContext(Protocol):
-    """What the methods use of a gRPC context: Serve's RayServegRPCContext or `_RecordedStatus`."""
+    """What the methods use of a gRPC context: Serve's RayServegRPCContext (tests: a recording one)."""
 
     def invocation_metadata(self) -> Sequence[tuple[str, Any]]: ...
     def set_code(self, code: grpc.StatusCode) -> None: ...
@@ -182,15 +177,16 @@ async def _admit(
         if request.model:
             front.check_model(request.model)
         window = front.served_window(await backend.info())
-        return await front.off_loop(to_generation, request, front, secrets.randbits(63), window)
+        return await front.off_loop(proto_to_generation, request, front, secrets.randbits(63), window)
     except RequestError as e:
         raise GrpcStatus(_HTTP_TO_GRPC.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
 
 
-def to_generation(
+def proto_to_generation(
     request: pb.GenerateRequest, front: FrontDoor, seed: int, window: ContextWindow | None = None
 ) -> tuple[list[int], dict[str, Any]]:
-    """Prompt token ids and the SamplingParams dict of a request; RequestError names the field.
+    """Prompt token ids and the SamplingParams dict of a GenerateRequest (as `openai_api.openai_to_generation`
+    gives them for HTTP); RequestError names the field.
 
     `window`: what the deployment serves (`FrontDoor.served_window`); None: the front door's own.
 
@@ -213,10 +209,7 @@ def to_generation(
         "stop_token_ids": tuple(s.stop_token_ids),
         "seed": s.seed if s.HasField("seed") else seed,
     }
-    try:
-        return ids, SamplingParams.model_validate(fields).model_dump()
-    except ValidationError as e:
-        raise from_validation_error(e, ("sampling",)) from None
+    return ids, sampling_params(fields, ("sampling",))
 
 
 def _refusal(e: Exception, front: FrontDoor, request: pb.GenerateRequest) -> GrpcStatus | None:
@@ -252,58 +245,3 @@ def _usage(usage: dict[str, Any]) -> pb.Usage:
         accepted_tokens=int(usage.get("accepted", 0)),
         acceptance_length=float(usage.get("acceptance_length", 0.0)),
     )
-
-
-class _RecordedStatus:
-    """A context for the methods on a plain grpc.aio server: records the status, applied at the end."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.trailing: list[tuple[str, str]] = []
-
-    def invocation_metadata(self) -> Sequence[tuple[str, Any]]:
-        return [(m[0], m[1]) for m in self._context.invocation_metadata() or ()]
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    def set_trailing_metadata(self, trailing_metadata: list[tuple[str, str]]) -> None:
-        self.trailing = trailing_metadata
-
-    async def finish(self) -> None:
-        if self.code is not None and self.code != grpc.StatusCode.OK:
-            if self.trailing:
-                self._context.set_trailing_metadata(tuple(self.trailing))
-            await self._context.abort(self.code, self.details)
-
-
-class PlainServicer(pb_grpc.SpecServeServicer):
-    """`GrpcIngress` methods on a plain grpc.aio server: `add_SpecServeServicer_to_server(PlainServicer(x), server)`."""
-
-    def __init__(self, ingress: GrpcIngress) -> None:
-        self._ingress = ingress
-
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        status = _RecordedStatus(context)
-        response = await self._ingress.Generate(request, grpc_context=status)
-        await status.finish()
-        return response
-
-    async def GenerateStream(  # type: ignore[override]
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        status = _RecordedStatus(context)
-        try:
-            async for message in self._ingress.GenerateStream(request, grpc_context=status):
-                yield message
-        except GrpcStatus:
-            pass  # recorded on `status`
-        await status.finish()
-
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return await self._ingress.Health(request, grpc_context=_RecordedStatus(context))

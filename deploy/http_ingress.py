@@ -70,8 +70,8 @@ from deploy.openai_api import (
     ModelList,
     Usage,
     new_id,
+    openai_to_generation,
     parse_request,
-    to_generation,
 )
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _prepare(
     """Parse, check the model and tokenize: the request's CPU work, run off the event loop."""
     request = parse_request(cls, body)
     front.check_model(request.model)
-    ids, sampling = to_generation(request, front, seed, window)
+    ids, sampling = openai_to_generation(request, front, seed, window)
     return request, ids, sampling
 
 

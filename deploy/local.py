@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from deploy.models import resolve
+from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts
 from speculative.loading import LoadedModel, load_model
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
@@ -44,7 +44,7 @@ class LocalModels:
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
             costs=costs,
             drafts_sampled=drafter.drafts_sampled,
-            quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.quotes_by_lookup else None,
+            lookup_quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.lookup_quotes else None,
         )
 
     def chat_prompt(self, user: str) -> list[int]:

@@ -8,7 +8,7 @@ naming the field. Extensions, as vLLM spells them: `top_k`, `repetition_penalty`
 `stop_token_ids`, `return_token_ids`; and specserve's own `max_draft_tokens` (0 turns speculation off for
 the request: same tokens, plain decoding; for A/B runs on one deployment, or latency-critical requests).
 
-`to_generation` maps a validated request to what the router takes: prompt token ids and a
+`openai_to_generation` maps a validated request to what the router takes: prompt token ids and a
 `SamplingParams` dict. Responses follow OpenAI's format; `usage` adds the speculative decoding
 counts (`draft_tokens`, `accepted_tokens`, `acceptance_length`).
 """
@@ -31,9 +31,9 @@ from deploy.frontdoor import (
     check_stops,
     fit_context,
     from_validation_error,
+    sampling_params,
 )
 from deploy.prompts import ControlTextRefused, PromptTokenizer
-from speculative.sampling import SamplingParams
 
 _REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 _RESPONSE = ConfigDict(extra="forbid")
@@ -198,7 +198,7 @@ def parse_request(cls: type[R], body: bytes) -> R:
 
 
 # ---- request -> router --------------------------------------------------------------------------
-def to_generation(
+def openai_to_generation(
     request: CompletionRequest | ChatCompletionRequest, front: FrontDoor, seed: int, window: ContextWindow | None = None
 ) -> tuple[list[int], dict[str, Any]]:
     """Prompt token ids and the SamplingParams dict of a validated request.
@@ -231,11 +231,7 @@ def to_generation(
         "max_draft_tokens": request.max_draft_tokens,
         "seed": request.seed if request.seed is not None else seed,
     }
-    try:
-        params = SamplingParams.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-    return prompt, params.model_dump()
+    return prompt, sampling_params(fields)
 
 
 def completion_prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], prompts: PromptTokenizer) -> list[int]:

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from speculative.costs import StepCosts
 from speculative.depth import DepthConfig
 from speculative.drafters.base import Drafter, Proposal, empty_proposal
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts
 from speculative.round import Drafting, Speculation
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
@@ -53,18 +53,19 @@ class SpeculativeDecoder:
         decode: Callable[[list[int]], str] | None = None,
         costs: StepCosts | None = None,
         drafts_sampled: bool = True,
-        quotes: PromptLookupDrafter | None = None,
+        lookup_quotes: PromptLookupDrafter | None = None,
     ) -> None:
         """`costs`: measure verify and draft costs and cap depths by them (load_control.py, with
         `depth.load_adaptive`); None: depth by acceptance alone. `drafts_sampled`: the drafter samples
         drafts under sampling, so sampled requests keep their acceptance-only depth (reproducible tokens).
-        `quotes`: beside a draft model, sequences quoting their context draft by this lookup instead
-        (`DrafterConfig.lookup_quotes`)."""
+        `lookup_quotes`: beside a draft model, sequences quoting their context draft by this lookup
+        instead (`DrafterConfig.lookup_quotes`)."""
         self.target = target
         self.drafter = drafter
         self.depth = depth if drafter is not None else depth.model_copy(update={"max_depth": 0})
-        lookup = drafter if isinstance(drafter, PromptLookupDrafter) else quotes
-        self.speculation = Speculation(self.depth, costs, drafts_sampled, lookup, quotes is not None, eos_ids, decode)
+        lookup = drafter if isinstance(drafter, PromptLookupDrafter) else lookup_quotes
+        quoting = lookup_quotes is not None
+        self.speculation = Speculation(self.depth, costs, drafts_sampled, lookup, quoting, eos_ids, decode)
         self.active: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []
         self._ids = itertools.count()

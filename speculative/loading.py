@@ -34,34 +34,3 @@ def load_model(path: str, dtype: str = "float32") -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model.eval(), tokenizer, eos_ids_of(model, tokenizer))
-
-
-def truncated_copy(model: PreTrainedModel, n_layers: int) -> PreTrainedModel:
-    """A self-draft: the model's own first `n_layers` decoder layers, sharing its weights.
-
-    Same tokenizer by construction; useful where no smaller partner model exists (LayerSkip-style
-    drafting without the early-exit training, so acceptance is modest).
-    """
-    import copy
-
-    layers = getattr(model.base_model, "layers", None) or getattr(model.base_model, "h", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers to truncate")
-    if not 1 <= n_layers <= len(layers):
-        raise ValueError(f"n_layers: expected 1..{len(layers)}, got {n_layers}")
-    draft = copy.copy(model)  # shallow: parameters are shared, not copied
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = n_layers
-    object.__setattr__(draft, "config", config)
-    base = copy.copy(model.base_model)
-    base._modules = dict(base._modules)  # a shallow copy shares this dict with the original
-    base_name = model.base_model_prefix
-    kept = torch.nn.ModuleList(list(layers)[:n_layers])
-    if hasattr(base, "layers"):
-        base.layers = kept
-    else:
-        base.h = kept
-    object.__setattr__(base, "config", config)
-    draft._modules = dict(model._modules)
-    draft._modules[base_name] = base
-    return draft

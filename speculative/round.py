@@ -18,10 +18,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
+from speculative.costs import Planned, StepCosts
 from speculative.depth import DepthConfig, depth_cap, own_depth
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
-from speculative.load_control import Plan, Planned, StepCosts, plan_depths, record_plan
+from speculative.load_control import Plan, plan_depths, record_plan
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
 
@@ -57,7 +58,7 @@ class Speculation:
     costs: StepCosts | None = None  # measured costs; None: unmeasured, depth by acceptance alone
     drafts_sampled: bool = True  # the drafter samples under sampling: such sequences' depths ignore load
     lookup: PromptLookupDrafter | None = None  # prompt lookup drafted here: the drafter, or quotes beside one
-    quotes_only: bool = False  # `lookup` sits beside a draft model and drafts only quoting sequences
+    lookup_quotes: bool = False  # `lookup` sits beside a draft model and drafts only quoting sequences
     eos_ids: frozenset[int] = frozenset()
     decode: Callable[[list[int]], str] | None = None
 
@@ -67,9 +68,16 @@ class Speculation:
         """The plan for `seqs` in a micro-batch of `batch` with `queued` verify calls waiting (pure);
         `extra_levels`: draft forwards beyond the depth (a pre-draft's guess of the bonus token)."""
         cap = depth_cap(self.config, batch, queued)
-        lookup, quotes = self.lookup, self.quotes_only
         return plan_depths(
-            seqs, self.config, self.costs, cap, overlapped, self.drafts_sampled, lookup, quotes, extra_levels
+            seqs,
+            self.config,
+            self.costs,
+            cap,
+            overlapped,
+            self.drafts_sampled,
+            self.lookup,
+            self.lookup_quotes,
+            extra_levels,
         )
 
     def own(self, seq: Sequence, batch: int, queued: int = 0) -> int:
@@ -80,7 +88,7 @@ class Speculation:
     def plan(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Drafting:
         """Plan this round, record it on the sequences, and draft what lookup finds."""
         plan = self.depths(seqs, batch, queued, overlapped)
-        record_plan(seqs, plan, self.quotes_only)
+        record_plan(seqs, plan, self.lookup_quotes)
         requests = [
             DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, plan.depths, strict=True)
         ]

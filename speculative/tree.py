@@ -3,14 +3,14 @@
 Node 0 is the root: the last committed token, whose KV the target has not computed yet. Nodes
 1..n are draft tokens, each with a parent of smaller index (so a node's ancestors come before it).
 A chain of k tokens is a tree of width 1. Built once per step as data (Medusa's tree buffers),
-then read by the runner (attention mask, positions) and the acceptance rules (children).
+then read by the target verifier (`all_tokens` and `runner_parents` become the runner's input
+tokens and parents, from which the runner builds its attention mask and positions) and by the
+acceptance rules (children).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,3 @@ class TokenTree:
     def runner_parents(self) -> list[int]:
         """Parents in the runner's convention: -1 for the root, else the node index."""
         return [-1, *self.parents]
-
-    def ancestor_mask(self) -> torch.Tensor:  # [n+1, n+1] bool, self included
-        n = self.size + 1
-        mask = torch.eye(n, dtype=torch.bool)
-        for i, parent in enumerate(self.parents):
-            mask[i + 1] |= mask[parent]
-        return mask

@@ -21,7 +21,7 @@ import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from actors.lane import usage
+from actors.records import usage
 from actors.router import Overloaded
 from deploy.frontdoor import FrontDoor, FrontDoorConfig
 from deploy.grpc_ingress import GrpcIngress

@@ -15,11 +15,11 @@ from transformers import PreTrainedModel
 
 from bench.gpu.forward_cost import forward_costs, sync
 from bench.gpu.oracle import OracleDrafter
+from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig, expected_tokens
 from speculative.drafters.base import Drafter, DraftRequest, Proposal
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.load_control import StepCosts
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence

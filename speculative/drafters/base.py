@@ -33,11 +33,6 @@ class Proposal:
     tree: TokenTree
     draft_probs: torch.Tensor | None = None  # [n+1, V]: row i = q the children of node i were sampled from
 
-    @property
-    def sampled(self) -> bool:
-        """True when children were sampled from q (rejection sampling applies); else deterministic."""
-        return self.draft_probs is not None
-
 
 class Drafter(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:

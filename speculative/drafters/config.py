@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel
 
 from speculative.drafters.base import Drafter
@@ -37,15 +37,19 @@ class DrafterConfig(BaseModel):
         True,
         description="model: a sequence quoting its context (a prompt-lookup match agreeing for 8+ tokens, as code "
         "edits give) drafts by lookup in the router instead, at no draft cost, where its tokens do not depend "
-        "on the drafter (greedy, or deterministic drafts). Under load quotes pay where the draft model no longer does.",
+        "on the drafter (greedy, or deterministic drafts). Under load quotes pay where the draft model no longer does. "
+        "Always False for the other kinds (only a draft model has lookup drafted beside it).",
     )
     max_ngram: int = Field(3, ge=1, le=16, description="lookup: longest suffix n-gram matched.")
     min_ngram: int = Field(1, ge=1, le=16, description="lookup: shortest suffix n-gram matched.")
 
-    @property
-    def quotes_by_lookup(self) -> bool:
-        """A draft model with prompt lookup beside it for quotes (`lookup_quotes`)."""
-        return self.kind == "model" and self.lookup_quotes
+    @model_validator(mode="before")
+    @classmethod
+    def _lookup_quotes_beside_a_model(cls, data: Any) -> Any:
+        """`lookup_quotes` holds only beside a draft model: with no model, lookup has nothing to sit beside."""
+        if isinstance(data, dict) and data.get("kind", "model") != "model":
+            data = {**data, "lookup_quotes": False}
+        return data
 
     @property
     def drafts_sampled(self) -> bool:

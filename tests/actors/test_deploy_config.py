@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.app import _bundles, _draft_actor_options, app_builder
+from deploy.app import app_builder
 from deploy.config import AppConfig, Autoscaling
 
 YAMLS = sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml"))
@@ -36,6 +36,19 @@ def test_a_draft_pool_only_for_a_draft_model() -> None:
     assert worker is not None and worker.model is not None and worker.model.path == "d"
 
 
+def test_lookup_quotes_hold_beside_a_draft_model_alone() -> None:
+    """`drafter.lookup_quotes` (on by default) reaches the router beside a draft model; without one the
+    router's lookup, if any, drafts every sequence."""
+    expected = {"model": (True, (3, 1)), "lookup": (False, (3, 1)), "hybrid": (False, None), "none": (False, None)}
+    for kind, (quotes, ngrams) in expected.items():
+        args = {"target_model": "t", "draft_model": "d", "drafter": {"kind": kind}}
+        router = AppConfig.model_validate(args).router()
+        assert (router.lookup_quotes, router.lookup_ngrams) == (quotes, ngrams), kind
+    args = {"target_model": "t", "draft_model": "d", "drafter": {"lookup_quotes": False}}
+    off = AppConfig.model_validate(args).router()
+    assert (off.lookup_quotes, off.lookup_ngrams) == (False, None)
+
+
 def test_bundles_one_per_shard_replica_rides_in_the_first() -> None:
     config = AppConfig.model_validate(
         {
@@ -45,7 +58,7 @@ def test_bundles_one_per_shard_replica_rides_in_the_first() -> None:
             "target_pool": {"shard_num_cpus": 2, "shard_num_gpus": 1, "replica_num_cpus": 0.5},
         }
     )
-    assert _bundles(config) == [{"CPU": 2.5, "GPU": 1}, {"CPU": 2.0, "GPU": 1}]
+    assert config.target_pool.bundles(config.tp_size) == [{"CPU": 2.5, "GPU": 1}, {"CPU": 2.0, "GPU": 1}]
 
 
 def test_pools_carry_their_node_type_resources() -> None:
@@ -58,17 +71,17 @@ def test_pools_carry_their_node_type_resources() -> None:
             "target_pool": {"shard_num_cpus": 2, "resources": {"target_node": 0.01}, "accelerator_type": "A100"},
         }
     )
-    assert _draft_actor_options(config) == {
+    assert config.draft_pool.actor_options() == {
         "num_cpus": 1,
         "num_gpus": 1,
         "resources": {"draft_node": 0.01},
         "accelerator_type": "L4",
     }
     marker = {"target_node": 0.01, "accelerator_type:A100": 0.001}
-    assert _bundles(config) == [{"CPU": 2.1, **marker}, {"CPU": 2.0, **marker}]
+    assert config.target_pool.bundles(config.tp_size) == [{"CPU": 2.1, **marker}, {"CPU": 2.0, **marker}]
     plain = AppConfig.model_validate({"target_model": "t", "draft_model": "d"})
-    assert _draft_actor_options(plain) == {"num_cpus": 1.0, "num_gpus": 0.0}
-    assert _bundles(plain) == [{"CPU": 1.1}]
+    assert plain.draft_pool.actor_options() == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert plain.target_pool.bundles(plain.tp_size) == [{"CPU": 1.1}]
 
 
 def test_autoscaling_options() -> None:

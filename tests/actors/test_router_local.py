@@ -9,8 +9,8 @@ from ray.exceptions import OutOfMemoryError
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
-from actors.lane import StepRecord
 from actors.pools import LocalPool, ReplicaLost
+from actors.records import StepRecord
 from actors.router import Overloaded, Router, StreamTimeout
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
@@ -76,15 +76,15 @@ def test_quotes_draft_by_lookup_beside_the_draft_model(tiny_pair: TinyPair) -> N
     repeats its context the quote drafts landed."""
     requests = prompts_and_lengths(8, seed=3)
     quoted = [(p + p[: len(p) // 2] if len(p) >= 16 else p, m) for p, m in requests]  # half the prompt quoted
-    router = make_router(tiny_pair, lookup_ngrams=(3, 1), lookup_quotes_only=True)
+    router = make_router(tiny_pair, lookup_ngrams=(3, 1), lookup_quotes=True)
     results = asyncio.run(run_all(router, quoted))
     for (prompt, max_new), result in zip(quoted, results, strict=True):
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
     assert sum(r["usage"]["accepted"] for r in results) > 0
     assert router._costs.draft_step.points  # the draft model drafted too
-    quotes = {run: tally for run, tally in router._costs.pooled_by_match.items() if run >= QUOTE_RUN}
-    print("quote drafts (accepted, trials) by run class:", quotes)
-    assert quotes and max(accepted for accepted, _ in quotes.values()) > 0
+    tallies = {run: tally for run, tally in router._costs.pooled_by_match.items() if run >= QUOTE_RUN}
+    print("quote drafts (accepted, trials) by run class:", tallies)
+    assert tallies and max(accepted for accepted, _ in tallies.values()) > 0
 
 
 def test_stream_chunks_add_up_and_requests_join_late(tiny_pair: TinyPair) -> None:

@@ -2,7 +2,7 @@
 round ahead gives the target's own greedy tokens, hits and misses alike.
 
 The YAML's application as shipped, but for the dtype (float32: exactness, not speed) and depth by
-acceptance alone (in float32 a several-token forward costs about two one-token steps on this CPU, so
+acceptance alone (in float32 a several-token forward costs about two one-token steps on a CPU, so
 the load planner would rightly draft little, and this test is about the rounds that do). The
 reference is HF `generate(do_sample=False)` on the same chat-templated prompt ids.
 """

@@ -106,8 +106,6 @@ def test_tree_structure_and_validation():
     assert tree.depths == (0, 1, 1, 2, 2)
     assert tree.path_tokens(4) == [10, 13]
     assert tree.runner_parents() == [-1, 0, 0, 1, 1]
-    mask = tree.ancestor_mask()
-    assert mask[4].tolist() == [True, True, False, False, True]
     with pytest.raises(ValueError, match="precede"):
         TokenTree(9, (10, 11), (0, 2))
     with pytest.raises(ValueError, match="two children"):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_match
-from speculative.load_control import QUOTE_RUN, StepCosts
+from speculative.load_control import QUOTE_RUN
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
@@ -47,7 +48,7 @@ def decoder(
     max_depth: int = 4,
     adaptive: bool = True,
     costs: StepCosts | None = None,
-    quotes: bool = False,
+    lookup_quotes: bool = False,
 ) -> SpeculativeDecoder:
     config = DRAFTERS[drafter]
     return SpeculativeDecoder(
@@ -55,7 +56,7 @@ def decoder(
         build_drafter(config, draft, VOCAB),
         DepthConfig(max_depth=max_depth, adaptive=adaptive),
         costs=costs,
-        quotes=PromptLookupDrafter(config.max_ngram, config.min_ngram) if quotes else None,
+        lookup_quotes=PromptLookupDrafter(config.max_ngram, config.min_ngram) if lookup_quotes else None,
     )
 
 
@@ -96,7 +97,7 @@ def test_quotes_drafted_by_lookup_beside_a_draft_model_stay_exact(models, drafte
     repeat their own output) drafts by prompt lookup, the rest by the model, in one batch: the tokens
     are the target's alone, and lookup's drafts were verified and landed."""
     target, draft, refs = models
-    outs = decoder(target, draft, drafter, costs=StepCosts(), quotes=True).generate(PROMPTS, GREEDY)
+    outs = decoder(target, draft, drafter, costs=StepCosts(), lookup_quotes=True).generate(PROMPTS, GREEDY)
     assert [o.output for o in outs] == refs
     landed = [accepted for o in outs for run, (accepted, _) in o.stats.lookup_tally.items() if run >= QUOTE_RUN]
     quoting = [  # where a quote's next token is the target's, a lookup draft would land

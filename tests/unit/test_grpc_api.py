@@ -1,22 +1,21 @@
 """The gRPC front door (specserve.v1.SpecServe) on a plain grpc.aio server over the tiny real router.
 
-Serve's gRPC proxy calls the same `GrpcIngress` methods; here `PlainServicer` hosts them and applies
-their status the way the proxy does. Needs the generated stubs (`make proto`).
+Serve's gRPC proxy calls the same `GrpcIngress` methods; here `PlainServicer` (tests/grpc_helpers.py)
+hosts them and applies their status the way the proxy does. Needs the generated stubs (`make proto`).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 import pytest
 
-from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS, PlainServicer
+from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, tiny_pair, tiny_tokenizer
+from tests.grpc_helpers import run_grpc
 from tests.tiny_models import reference_greedy
 
 KEY = "grpc-key"
@@ -37,23 +36,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def ingress(models, tokenizer) -> TinyIngress:
     return TinyIngress(front_door(tokenizer, WINDOW, api_key=KEY), *models)
-
-
-def run(ingress: TinyIngress, scenario: Callable[[pb_grpc.SpecServeStub], Awaitable[Any]]) -> Any:
-    """Serve `ingress` on 127.0.0.1 (a free port) for one scenario, in this test's event loop."""
-
-    async def main() -> Any:
-        server = grpc.aio.server()
-        pb_grpc.add_SpecServeServicer_to_server(PlainServicer(ingress), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                return await scenario(pb_grpc.SpecServeStub(channel))
-        finally:
-            await server.stop(grace=None)
-
-    return asyncio.run(main())
 
 
 def greedy(ids: list[int], max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
@@ -78,7 +60,7 @@ def test_unary_and_stream_give_the_targets_greedy_tokens(ingress: TinyIngress, m
         stream = [m async for m in stub.GenerateStream(request, metadata=AUTH)]
         return health, stream, unary
 
-    health, stream, unary = run(ingress, scenario)
+    health, stream, unary = run_grpc(ingress, scenario)
     assert health.status == pb.HealthResponse.SERVING_STATUS_SERVING
     assert (health.model, health.context_window) == (MODEL_NAME, WINDOW)
     assert list(unary.token_ids) == reference_greedy(models[0], prompt, 12)
@@ -102,7 +84,7 @@ def test_text_prompt_and_stop_string(ingress: TinyIngress, tokenizer) -> None:
         request.sampling.stop.append(stop)
         return full, await stub.Generate(request, metadata=AUTH)
 
-    full, cut = run(ingress, scenario)
+    full, cut = run_grpc(ingress, scenario)
     assert full.usage.prompt_tokens == len(tokenizer.encode("hello world"))
     assert cut.finish_reason == pb.FINISH_REASON_STOP
     assert cut.text == full.text[: full.text.index(full.text.split()[1])]
@@ -148,7 +130,7 @@ def test_bad_requests_are_refused_in_unary_and_stream(
             errors.append(e.value)
         return errors, await stub.Generate(greedy([5, 6], 3), metadata=AUTH)
 
-    errors, after = run(ingress, scenario)
+    errors, after = run_grpc(ingress, scenario)
     for error in errors:
         assert error.code() == code and words in (error.details() or ""), error
     assert len(after.token_ids) == 3  # the server keeps serving
@@ -173,7 +155,7 @@ def test_missing_key_and_full_router(ingress: TinyIngress) -> None:
             ingress.max_active = 8
         return errors
 
-    unauthenticated, *exhausted = run(ingress, scenario)
+    unauthenticated, *exhausted = run_grpc(ingress, scenario)
     assert unauthenticated.code() == grpc.StatusCode.UNAUTHENTICATED
     for error in exhausted:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

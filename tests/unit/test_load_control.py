@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from speculative.costs import StepCosts, catch_up
 from speculative.depth import DepthConfig
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import StepCosts, catch_up, plan_depths, record_plan
 from speculative.load_control import choose_depths as choose_planned
+from speculative.load_control import plan_depths, record_plan
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
@@ -41,12 +42,12 @@ def plan(
     c: StepCosts | None,
     cap: int,
     config: DepthConfig = CONFIG,
-    quotes_only: bool = False,
+    lookup_quotes: bool = False,
     **kwargs: Any,
 ) -> list[int]:
     """Plan a round and record it on the sequences, as `round.Speculation.plan` does; its depths."""
-    planned = plan_depths(seqs, config, c, cap, quotes_only=quotes_only, **kwargs)
-    record_plan(seqs, planned, quotes_only)
+    planned = plan_depths(seqs, config, c, cap, lookup_quotes=lookup_quotes, **kwargs)
+    record_plan(seqs, planned, lookup_quotes)
     return planned.depths
 
 
@@ -127,7 +128,7 @@ def test_curve_interpolates_and_extrapolates() -> None:
 
 def test_a_drafted_token_is_priced_by_a_slope_over_well_spread_sizes() -> None:
     """A plain round of 16 and one of 17 (a token drafted) land in neighbouring buckets; their slope is
-    mostly noise (here 33 ms for a token that costs ~8.5, as traced at c = 16 on this CPU)."""
+    mostly noise (here 33 ms for a token that costs about 8.5)."""
     c = costs({8: 0.217, 16: 0.279, 17: 0.312, 45: 0.543}, {})
     per_token = (c.verify(20) - c.verify(16)) / 4
     assert 0.007 < per_token < 0.011
@@ -384,8 +385,7 @@ def test_prompt_lookup_drafts_are_free_and_never_wait_for_a_draft_measurement() 
     lookup has no cache and no forward, so its drafts cost nothing to catch up on, its rounds measure
     nothing, and a lane that never called a draft model plans from the verify curve alone: with the
     draft side unmeasured, a draft model's lane drafts as deep as allowed once to learn it, which a
-    lookup lane must not (a cold lane at c = 16 did so for three rounds: 54 drafted tokens, most
-    missed)."""
+    lookup lane must not (it would draft its chance matches unpriced, round after round)."""
     lookup = PromptLookupDrafter(max_ngram=3)
     quoting = Sequence("q", list(range(40)) + [5, 6, 7], GREEDY)
     quoting.stats.steps = 1  # prefilled; never drafted
@@ -404,9 +404,8 @@ def test_prompt_lookup_drafts_are_free_and_never_wait_for_a_draft_measurement() 
 def test_catching_up_is_priced_from_the_lane_s_first_draft_call() -> None:
     """A lane's first draft call catches up on every prompt, before any round is measured. Its seconds
     price catching up (the whole call: an upper bound), so 16 sequences that would each catch up on a
-    70-token prompt to draft are seen to cost that; left unpriced, as before, catching up cost nothing
-    in every plan until a call came after a measured round (traced at c = 16: a round of 16 such
-    drafts planned at 83 ms took 1.5 s)."""
+    70-token prompt to draft are seen to cost that; left unpriced, catching up would cost nothing in
+    every plan until a call came after a measured round."""
     seqs = [Sequence(f"s{i}", list(range(70)), GREEDY) for i in range(16)]
     for s in seqs:
         s.stats.steps, s.stats.draft_catch_up = 1, 70
@@ -441,7 +440,7 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
     batch = [seq("q", quoted), seq("s", quoted, sampled)] + [seq(f"c{i}", chance) for i in range(14)]
     c = costs(CPU, {16: 0.06, 2: 0.03})  # 60 ms a unit of depth for 16 sequences: the model does not pay
     c.pooled_accepted, c.pooled_trials = 30.0, 100.0
-    depths = plan(batch, c, 4, model_depth, lookup=lookup, quotes_only=True)
+    depths = plan(batch, c, 4, model_depth, lookup=lookup, lookup_quotes=True)
     assert [s.stats.lookup_run for s in batch[:3]] == [8, 0, 0]  # only the greedy quote drafts by lookup
     assert depths[0] == 4 and depths[2:] == [0] * 14
     assert batch[0].stats.draft_synced == len(quoted) - 1  # the draft model has not seen this round
@@ -469,7 +468,7 @@ def test_planning_changes_nothing_until_the_round_records_it() -> None:
     assert plan_depths([quoting, held], CONFIG, c, 4, lookup=lookup) == first
     assert copy.deepcopy((quoting, held, c)) == before
     assert first.runs[0] == 8 and first.depths[0] > 0  # (a quote, drafted by lookup)
-    record_plan([quoting, held], first, quotes_only=False)
+    record_plan([quoting, held], first, lookup_quotes=False)
     assert quoting.stats.lookup_run == 8 and quoting.stats.drafted_at == 5
 
 

@@ -39,8 +39,8 @@ def test_steady_window_starts_after_the_cold_start_burst() -> None:
 
 
 def test_steady_window_leaves_the_burst_out_however_soon_a_client_finishes() -> None:
-    # What the old window (from the start) got wrong: an arm whose quick client runs out sooner kept the
-    # whole burst in a shorter window. The steady window drops the burst in both arms alike.
+    # A window from the start would keep the whole burst of an arm whose quick client runs out sooner in
+    # a shorter window, weighing it more. The steady window drops the burst in both arms alike.
     burst = [_request(True, [4.0]), _request(True, [4.0])]
     slow_begin, slow_until = steady_window(burst, exits=[20.0, 24.0], start=0.0)
     fast_begin, fast_until = steady_window(burst, exits=[16.0, 24.0], start=0.0)

@@ -11,7 +11,7 @@ import torch
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.loading import LoadedModel, load_model, truncated_copy
+from speculative.loading import LoadedModel, load_model
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
 from tests.fetched import fetched_dir
@@ -46,12 +46,19 @@ def reference(model: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def check_exact(target: LoadedModel, draft_model, new_tokens: int, prompts: list[list[int]]) -> dict[str, float]:
+def check_exact(
+    target: LoadedModel,
+    draft_model,
+    new_tokens: int,
+    prompts: list[list[int]],
+    drafters: tuple[str, ...] = tuple(DRAFTERS),
+) -> dict[str, float]:
     from speculative.sampling import SamplingParams
 
     refs = [reference(target, p, new_tokens) for p in prompts]
     acceptance = {}
-    for name, config in DRAFTERS.items():
+    for name in drafters:
+        config = DRAFTERS[name]
         decoder = SpeculativeDecoder(
             TargetVerifier(ModelRunner(target.model)),
             build_drafter(config, draft_model, target.model.config.vocab_size),
@@ -64,11 +71,11 @@ def check_exact(target: LoadedModel, draft_model, new_tokens: int, prompts: list
     return acceptance
 
 
-def test_smollm2_with_self_draft_and_lookup():
+def test_smollm2_with_lookup():
+    """deploy/smoke.yaml's setup: SmolLM2 drafted by prompt lookup alone (no draft model)."""
     target = fetched("smollm2-135m")
-    draft = truncated_copy(target.model, 10)
     prompts = [chat_ids(target, p) for p in USER_PROMPTS]
-    acceptance = check_exact(target, draft, 32, prompts)
+    acceptance = check_exact(target, None, 32, prompts, drafters=("lookup",))
     print("smollm2 acceptance length", acceptance)
 
 

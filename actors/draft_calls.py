@@ -1,0 +1,79 @@
+"""A lane's calls to its draft replica: what each call tells the worker to forget, how long it may
+take, and when the lane may call at all.
+
+A draft failure never fails a request: after one, the lane decodes without speculation for
+`draft_backoff_s`. A pre-draft that outlived its round (`actors/round_ahead.py`) is left to finish,
+and the pool is not called again until it has answered, so a slow replica is never sent a second
+call beside its first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from actors.config import RouterConfig
+from actors.pools import Pool
+from actors.records import Live
+from actors.wire import Drafted
+from speculative.drafters.base import DraftRequest
+
+logger = logging.getLogger(__name__)
+
+
+class DraftCalls:
+    """The draft pool as one lane calls it: per group, the sequence ids its next call releases."""
+
+    def __init__(self, pool: Pool | None, lane: str, groups: int, config: RouterConfig) -> None:
+        self.pool, self.lane, self.config = pool, lane, config
+        self.release: list[list[str]] = [[] for _ in range(groups)]  # per group, sent with its next call
+        self._off_until = 0.0  # no calls before this (`time.time()`): the backoff after a failure
+        self._late: asyncio.Task[Drafted] | None = None  # a pre-draft that outlived its round
+
+    def free(self) -> bool:
+        """The draft pool may be called: no backoff after a failure, no pre-draft of ours still running."""
+        if self._late is not None and self._late.done():
+            self._late = None
+        return self._late is None and time.time() >= self._off_until
+
+    def deadline(self, work_tokens: int) -> float:
+        """Seconds a draft call carrying this many tokens (to catch up on and to draft) may take before it
+        counts as failed: sized to the work, so slow is not lost."""
+        return self.config.draft_timeout_s + self.config.draft_timeout_per_token_s * work_tokens
+
+    def failed(self, error: BaseException) -> None:
+        logger.warning("lane %s: draft call failed (%r); no speculation for a while", self.lane, error)
+        self._off_until = time.time() + self.config.draft_backoff_s
+
+    async def propose(self, g: int, cache_key: str, requests: list[DraftRequest], work_tokens: int) -> Drafted:
+        """Group `g`'s drafts, releasing what it holds to release; on failure the releases wait for the next call."""
+        assert self.pool is not None
+        drafted: Drafted = await asyncio.wait_for(
+            self.pool.call("propose", self.lane, cache_key, requests, self.release[g]), self.deadline(work_tokens)
+        )
+        self.release[g] = []
+        return drafted
+
+    def send(
+        self, g: int, cache_key: str, requests: list[DraftRequest], work_tokens: int
+    ) -> tuple[asyncio.Task[Drafted], list[str]]:
+        """A call that runs beside the lane's next steps, and the releases it took along (for the group's
+        list again if it fails)."""
+        assert self.pool is not None
+        released, self.release[g] = self.release[g], []
+        call = self.pool.call("propose", self.lane, cache_key, requests, released)
+        return asyncio.get_running_loop().create_task(asyncio.wait_for(call, self.deadline(work_tokens))), released
+
+    def leave_running(self, task: asyncio.Task[Drafted]) -> None:
+        """Leave a call to finish unused; the pool is not called until it has answered."""
+        self._late = task
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+
+
+def draft_work(live: Live, request: DraftRequest) -> int:
+    """Tokens a draft call computes for this request: those the pool has not seen, then the drafts; and
+    from now on the pool has seen the request's tokens."""
+    work = max(len(request.tokens) - live.draft_seen, 1) + request.budget
+    live.draft_seen = len(request.tokens)
+    return work

@@ -1,0 +1,145 @@
+"""Round ahead in a lane (`speculative/ahead.py`): the next round's drafts, made beside a verify.
+
+While a group is verified, the draft pool pre-drafts that group's next round from the continuation
+it expects, for a group of one sequence (at one stream nothing else would overlap) and for every
+sequence in its prefill round (the draft model catches up on the prompt beside the target's
+prefill, never before the first token nor after it; a prompt over `router.ahead_prefill_tokens` is
+left to the depth controller, which prices its catch-up). When the verdict matches, the next verify
+starts at once with that draft; when not, the sequence is drafted again at the next round's start.
+The round waits for a pre-draft at most as long as its verify took; a later one is dropped, and the
+pool is not called again until it has answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from actors.config import RouterConfig
+from actors.draft_calls import DraftCalls, draft_work
+from actors.metrics import RouterMetrics
+from actors.records import Live, bare_proposal
+from actors.wire import Drafted, WireProposal, Work
+from speculative.ahead import ahead_request, assumed_path, take_ahead
+from speculative.round import Speculation
+
+
+@dataclass
+class PreDraft:
+    """A pre-draft in flight: the next round's drafts for some of a group's sequences."""
+
+    group: int
+    task: asyncio.Task[Drafted]
+    lives: list[Live]
+    paths: list[list[int]]  # per live, the draft tokens the pre-draft assumes accepted
+    released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How a pre-draft ended within its round."""
+
+    work: Work
+    tried: int
+    hits: int
+    unverified: int
+
+
+class RoundAhead:
+    """A lane's pre-drafts: which sequences pre-draft and how deep, sending them, taking the hits."""
+
+    def __init__(self, calls: DraftCalls, config: RouterConfig, metrics: RouterMetrics, speculation: Speculation):
+        self.calls, self.config, self.metrics, self.speculation = calls, config, metrics, speculation
+
+    def depth(self, live: Live, group_size: int, target_waiting: int) -> int:
+        """How deep to pre-draft this sequence's next round (0: not at all).
+
+        A sequence in its prefill round drafts its own first depth (its want within the lane's cap), if
+        its prompt is no longer than `ahead_prefill_tokens` (a longer catch-up would hold the draft
+        replica, and every other sequence's drafts, for many rounds);
+        one drafting alone in its group drafts what the planner chooses for its next round, priced as
+        overlapped (a hit hides the draft behind the verify); others are planned at their round's
+        start. Only sequences whose tokens do not depend on the draft (greedy, deterministic drafts)
+        pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
+        """
+        seq, config, speculation = live.seq, self.config, self.speculation
+        if not (seq.params.greedy or not config.drafts_sampled):
+            return 0
+        tree = live.proposal.tree if live.proposal is not None else None
+        if not seq.stats.steps:  # prefill: once (a long prompt's later chunk rounds find the draft caught up)
+            if not 0 < len(seq.tokens) - live.draft_seen <= config.ahead_prefill_tokens:
+                return 0
+            depth = speculation.own(seq, group_size, target_waiting)
+        elif group_size == 1 and tree is not None and tree.size:
+            # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
+            plan = speculation.depths([seq], 1, target_waiting, overlapped=True, extra_levels=1)
+            if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
+                return 0
+            depth = plan.depths[0]
+        else:
+            return 0
+        path = len(assumed_path(tree)) if tree is not None else 0
+        own = seq.params.max_draft_tokens if seq.params.max_draft_tokens is not None else depth
+        # After a hit this round commits path + bonus; the next then adds at least one token.
+        return max(min(depth, own, seq.params.max_tokens - len(seq.output) - path - 2), 0)
+
+    def start(self, g: int, cache_key: str, lives: list[Live], target_waiting: int) -> PreDraft | None:
+        """Send the pre-drafts of this group's next round, beside the verify about to start."""
+        if self.calls.pool is None or not self.calls.free():
+            return None
+        picked = [(x, d) for x in lives if (d := self.depth(x, len(lives), target_waiting))]
+        if not picked:
+            return None
+        requests, paths, work = [], [], 0
+        for live, depth in picked:
+            seq = live.seq
+            tree = live.proposal.tree if live.proposal is not None else bare_proposal(seq).tree
+            request = ahead_request(seq.seq_id, tuple(seq.tokens), tree, depth, seq.params)
+            requests.append(request)
+            paths.append(assumed_path(tree))
+            work += draft_work(live, request)
+            # What the draft model will have seen: the load planner's catch-up accounting (`catch_up`).
+            stats = seq.stats
+            stats.draft_synced, stats.drafted_at, stats.draft_catch_up = len(request.tokens), stats.steps, 0
+        task, released = self.calls.send(g, cache_key, requests, work)
+        return PreDraft(g, task, [x for x, _ in picked], paths, released)
+
+    def drop(self, pre: PreDraft) -> None:
+        """Leave a pre-draft to finish unused; the pool is not called until it has answered."""
+        self.calls.leave_running(pre.task)
+
+    async def settle(
+        self, pre: PreDraft, group: dict[str, Live], verify_s: float, committed: dict[str, tuple[int, ...]]
+    ) -> Settled | None:
+        """Take the pre-drafts that the verdicts (`committed`: each sequence's verdict tokens) matched, as
+        the proposals of `group`'s (the pre-draft's group) next round; None: nothing came in time.
+
+        Waits at most `verify_s` (the verify's own duration) for the pre-draft; a later one is left to
+        finish, its drafts dropped (the pool is not called again until it answers). When every sequence
+        of it is still prefilling (a chunk of a long prompt), nothing of it can be taken: the next chunk's
+        round starts at once, and the draft model's catch-up goes on beside it."""
+        if not any(committed.get(x.seq.seq_id) for x in pre.lives):
+            self.drop(pre)
+            self.metrics.ahead(len(pre.lives), 0, "settled")  # misses: drafted for a prompt not yet done
+            return None
+        done, _ = await asyncio.wait({pre.task}, timeout=verify_s)
+        if not done:
+            self.drop(pre)
+            self.metrics.ahead(len(pre.lives), 0, "late")
+            return None
+        try:
+            drafted = pre.task.result()
+        except Exception as e:
+            self.calls.release[pre.group] += pre.released
+            self.calls.failed(e)
+            return None
+        hits, unverified = 0, 0
+        for live, path, wire in zip(pre.lives, pre.paths, drafted.proposals, strict=True):
+            verdict = committed.get(live.seq.seq_id)  # () while still prefilling
+            alive = bool(verdict) and live.seq.seq_id in group and live.seq.finish_reason is None
+            taken = take_ahead(wire.decode(), path, verdict) if alive and verdict else None
+            unverified += wire.tree.size - (taken.tree.size if taken is not None else 0)
+            if taken is not None:
+                live.proposal, hits = WireProposal.encode(taken), hits + 1
+        self.metrics.ahead(len(pre.lives), hits, "settled", unverified)
+        return Settled(drafted.work, len(pre.lives), hits, unverified)
