@@ -34,7 +34,7 @@ from actors.config import RouterConfig
 from actors.draft_calls import DraftCalls, draft_work
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, replica_lost, verify_failure
-from actors.records import Live, StepRecord, bare_proposal, usage
+from actors.records import Live, StepRecord, bare_proposal, usage, with_logprobs
 from actors.round_ahead import RoundAhead, Settled
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.costs import Planned, StepCosts
@@ -200,7 +200,12 @@ class Lane:
         lives = list(self.groups[g].values())
         items = [
             WireVerifyItem(
-                x.seq.seq_id, tuple(x.seq.tokens), x.seq.params, x.proposal or bare_proposal(x.seq), _kv(x.seq)
+                x.seq.seq_id,
+                tuple(x.seq.tokens),
+                x.seq.params,
+                x.proposal or bare_proposal(x.seq),
+                _kv(x.seq),
+                len(x.seq.prompt),
             )
             for x in lives
         ]
@@ -255,10 +260,11 @@ class Lane:
             self.ctx.metrics.finished(
                 seq.finish_reason, seq.stats.acceptance_length, len(seq.output), now - live.admitted
             )
-            live.chunks.put_nowait({"token_ids": new, "finish_reason": seq.finish_reason, "usage": usage(seq)})
+            chunk = {"token_ids": new, "finish_reason": seq.finish_reason, "usage": usage(seq)}
+            live.chunks.put_nowait(with_logprobs(chunk, seq, len(new)))
             self._leave(g, live)
         elif new:
-            live.chunks.put_nowait({"token_ids": new, "finish_reason": None})
+            live.chunks.put_nowait(with_logprobs({"token_ids": new, "finish_reason": None}, seq, len(new)))
         return len(new)
 
     def _leave(self, g: int, live: Live) -> None:

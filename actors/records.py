@@ -83,3 +83,13 @@ def usage(seq: Sequence) -> dict[str, Any]:
         "accepted": seq.stats.accepted,
         "acceptance_length": seq.stats.acceptance_length,
     }
+
+
+def with_logprobs(chunk: dict[str, Any], seq: Sequence, new: int) -> dict[str, Any]:
+    """The chunk with its `new` tokens' log probabilities, when the request asked for them:
+    `logprobs`: per token {"token", "logprob", "top": [[id, logprob], ...]} (plain data for the wire)."""
+    if seq.params.logprobs is None:
+        return chunk
+    found = seq.logprobs[len(seq.logprobs) - new :] if new else []
+    chunk["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(p) for p in lp.top]} for lp in found]
+    return chunk

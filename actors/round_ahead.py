@@ -94,7 +94,7 @@ class RoundAhead:
         for live, depth in picked:
             seq = live.seq
             tree = live.proposal.tree if live.proposal is not None else bare_proposal(seq).tree
-            request = ahead_request(seq.seq_id, tuple(seq.tokens), tree, depth, seq.params)
+            request = ahead_request(seq.seq_id, tuple(seq.tokens), tree, depth, seq.params, len(seq.prompt))
             requests.append(request)
             paths.append(assumed_path(tree))
             work += draft_work(live, request)

@@ -82,13 +82,16 @@ class Router:
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Run one request to completion: token_ids, finish_reason, usage."""
+        """Run one request to completion: token_ids, finish_reason, usage (and logprobs when asked)."""
         tokens: list[int] = []
+        logprobs: list[dict[str, Any]] = []
         last: dict[str, Any] = {}
         async for chunk in self.generate_stream(prompt_token_ids, sampling):
             tokens += chunk["token_ids"]
+            logprobs += chunk.get("logprobs", [])
             last = chunk
-        return {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
+        out = {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
+        return out | ({"logprobs": logprobs} if "logprobs" in last else {})
 
     async def generate_stream(
         self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None

@@ -62,7 +62,7 @@ class TargetShard:
         )
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
         chunk = self.config.prefill_chunk_tokens
-        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model), chunk), float("inf"))
+        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model), chunk, eos), float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
         self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
         return self._info

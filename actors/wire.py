@@ -155,6 +155,7 @@ class WireVerifyItem:
     # KV tokens reserved for the sequence (prompt + max_tokens): a replica not holding its reservation
     # (the lane moved here, or this replica replaced the one that granted it) takes it over.
     reserved: int = 0
+    prompt_len: int = 0  # how many of `tokens` are the prompt
 
     def decode(self) -> VerifyItem:
-        return VerifyItem(self.seq_id, self.tokens, self.params, self.proposal.decode())
+        return VerifyItem(self.seq_id, self.tokens, self.params, self.proposal.decode(), self.prompt_len)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.logprobs import TokenLogprob
 from speculative.rng import sample
 from speculative.tree import TokenTree
 
@@ -35,6 +36,7 @@ class Verdict:
 
     accepted: tuple[int, ...]  # accepted node indices, root excluded, root-to-leaf order
     tokens: tuple[int, ...]  # emitted tokens: accepted draft tokens then the recovered/bonus token
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per token, when the request asks (logprobs.py)
 
     @property
     def path(self) -> tuple[int, ...]:

@@ -40,11 +40,11 @@ def assumed_path(tree: TokenTree) -> list[int]:
 
 
 def ahead_request(
-    seq_id: str, tokens: tuple[int, ...], tree: TokenTree, depth: int, params: SamplingParams
+    seq_id: str, tokens: tuple[int, ...], tree: TokenTree, depth: int, params: SamplingParams, prompt_len: int = 0
 ) -> DraftRequest:
     """The pre-draft for round N+1: `tokens` (committed) plus the assumed path as context, drafting the
     guess and `depth` levels under it."""
-    return DraftRequest(seq_id, (*tokens, *assumed_path(tree)), depth + 1, params)
+    return DraftRequest(seq_id, (*tokens, *assumed_path(tree)), depth + 1, params, prompt_len)
 
 
 def take_ahead(pre: Proposal, path: list[int], committed: tuple[int, ...]) -> Proposal | None:

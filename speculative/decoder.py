@@ -105,7 +105,8 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         if drafting.calls_drafter:
             self.speculation.drafted(seqs, [p.tree for p in proposals], t1 - t0, drafting.plan.predicted)
-        items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p) for s, p in zip(seqs, proposals, strict=True)]
+        pairs = zip(seqs, proposals, strict=True)
+        items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p, len(s.prompt)) for s, p in pairs]
         verdicts = self.target.verify(items)
         t2 = time.perf_counter()
         trees = [p.tree for p in proposals]

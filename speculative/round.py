@@ -23,6 +23,7 @@ from speculative.depth import DepthConfig, depth_cap, own_depth
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
 from speculative.load_control import Plan, plan_depths, record_plan
+from speculative.logprobs import TokenLogprob
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
 
@@ -35,6 +36,9 @@ class VerdictLike(Protocol):
 
     @property
     def accepted(self) -> tuple[int, ...]: ...  # the accepted draft nodes
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None: ...  # per token, when the request asks
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ class Speculation:
         plan = self.depths(seqs, batch, queued, overlapped)
         record_plan(seqs, plan, self.lookup_quotes)
         requests = [
-            DraftRequest(s.seq_id, tuple(s.tokens), d, s.params) for s, d in zip(seqs, plan.depths, strict=True)
+            DraftRequest(s.seq_id, tuple(s.tokens), d, s.params, len(s.prompt))
+            for s, d in zip(seqs, plan.depths, strict=True)
         ]
         found, modelled = split_lookup(self.lookup, plan.runs, requests)
         return Drafting(plan, found, modelled)
@@ -122,5 +127,5 @@ class Speculation:
                 continue
             kept = len(verdict.accepted)
             seq.acceptance.update(max(tree.depths), kept, self.config.memory)
-            out.append(seq.commit(tree, verdict.tokens, kept, self.eos_ids, self.decode))
+            out.append(seq.commit(tree, verdict.tokens, kept, self.eos_ids, self.decode, verdict.logprobs))
         return out

@@ -1,11 +1,14 @@
 """Sampling parameters and the logits -> probabilities transforms.
 
 The same functions run on the draft's logits and on the target's, so `p` and `q` at a tree node
-are always transformed identically, which the acceptance rules require. Order, as in HF
-`generate`: repetition penalty, temperature, top-k, top-p.
+are always transformed identically, which the acceptance rules require. Order, as in vLLM: the
+request's logits processors (`processing.py`: min_tokens, logit_bias, penalties), temperature,
+min-p, top-k, top-p.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,6 +33,22 @@ class SamplingParams(BaseModel):
         description="HF/CTRL penalty on tokens already in prompt or output; 1 = off. At least 0.01: dividing "
         "logits by less overflows them.",
     )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already in the output."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it is in the output."
+    )
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        (), max_length=1024, description="(token id, bias) pairs added to the logits before sampling."
+    )
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p x the most likely one (after T)."
+    )
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="End tokens and stop ids banned until this many.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Return each token's log probability and this many top alternatives."
+    )
     max_tokens: int = Field(16, ge=1, le=1_000_000, description="Most new tokens to generate.")
     stop_token_ids: tuple[int, ...] = Field((), description="Extra token ids that end the sequence.")
     stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end the sequence (cut from text).")
@@ -49,6 +68,10 @@ class SamplingParams(BaseModel):
             raise ValueError("stop: stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be >= 0")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids must be >= 0 and biases within -100..100")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})")
         return self
 
     @property
@@ -57,7 +80,7 @@ class SamplingParams(BaseModel):
 
     @property
     def uses_penalty(self) -> bool:
-        return self.repetition_penalty != 1.0
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def apply_repetition_penalty(
@@ -83,6 +106,8 @@ def probs_from_logits(
     logits = logits - logits.max(-1, keepdim=True).values  # softmax is shift-invariant; a tiny T cannot overflow
     logits = logits / max(params.temperature, torch.finfo(logits.dtype).tiny)  # T below float32's least: not 0/0
     vocab = logits.shape[-1]
+    if params.min_p > 0.0:  # p(x) < min_p * p_max  <=>  logit(x) < logit_max + log(min_p) (logits shifted: max 0)
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from speculative.depth import Acceptance
+from speculative.logprobs import TokenLogprob
 from speculative.sampling import SamplingParams
 from speculative.stopping import check_stop
 from speculative.tree import TokenTree
@@ -38,6 +39,7 @@ class Sequence:
     text_end: int | None = None
     stats: SequenceStats = field(default_factory=SequenceStats)
     acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts' decayed accept/reject evidence
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
 
     @property
     def tokens(self) -> list[int]:
@@ -50,8 +52,10 @@ class Sequence:
         n_accepted: int,
         eos_ids: frozenset[int],
         decode: Callable[[list[int]], str] | None,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> list[int]:
-        """Record one verified step: stats, output cut at a stop. Returns the new tokens."""
+        """Record one verified step: stats, output (and `logprobs`, one per token) cut at a stop.
+        Returns the new tokens."""
         self.stats.steps += 1
         self.stats.drafted += tree.size if tree is not None else 0
         self.stats.accepted += n_accepted
@@ -59,5 +63,8 @@ class Sequence:
         self.output += tokens
         stop = check_stop(self.output, len(tokens), self.params, eos_ids, decode)
         del self.output[stop.keep :]
+        if logprobs is not None:
+            self.logprobs += logprobs
+            del self.logprobs[stop.keep :]
         self.finish_reason, self.text_end = stop.reason, stop.text_end
         return self.output[before:]

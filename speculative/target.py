@@ -16,13 +16,15 @@ verdict); next call: 0 + tree, 2 + tree, 2 (empty verdict); then 0 + tree, 0 + t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
+from speculative.logprobs import token_logprobs
 from speculative.packing import row_offsets
+from speculative.processing import NodeContext
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
 from speculative.verify import argmax_decides, verify_tree
@@ -45,17 +47,22 @@ class VerifyItem:
     tokens: tuple[int, ...]  # committed tokens, prompt included; the last is the tree's root
     params: SamplingParams
     proposal: Proposal
+    prompt_len: int = 0  # how many of `tokens` are the prompt (output penalties, min_tokens)
 
 
 class TargetVerifier:
     """Verification of many sequences' trees against one target model."""
 
-    def __init__(self, runner: ModelRunner, prefill_chunk: int | None = None) -> None:
-        """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit)."""
+    def __init__(
+        self, runner: ModelRunner, prefill_chunk: int | None = None, eos_ids: frozenset[int] = frozenset()
+    ) -> None:
+        """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit). `eos_ids`:
+        the model's end tokens, banned with the stop ids before a request's `min_tokens`."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.runner = runner
         self.prefill_chunk = prefill_chunk
+        self.eos_ids = eos_ids
 
     @property
     def vocab_size(self) -> int:
@@ -132,7 +139,12 @@ class TargetVerifier:
             if a:
                 verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
             else:
-                verdict = verify_tree(item.proposal, host[row], list(item.tokens), item.params)
+                context = NodeContext(item.tokens, item.prompt_len, self.eos_ids)
+                verdict = verify_tree(item.proposal, host[row], context, item.params)
+            if item.params.logprobs is not None:
+                emitting = torch.tensor([starts[row] + node for node in verdict.path], device=logits.device)
+                found = token_logprobs(logits[emitting], verdict.tokens, item.params.logprobs)
+                verdict = replace(verdict, logprobs=found)
             verdicts.append(verdict)
             keep[row] = list(range(off)) + [off + node for node in verdict.path]
         return verdicts, keep

@@ -12,32 +12,32 @@ import torch
 
 from speculative.acceptance import Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
 from speculative.drafters.base import Proposal
+from speculative.processing import NodeContext, processed, processes
 from speculative.rng import KeyedDraws, Stream
-from speculative.sampling import SamplingParams, apply_repetition_penalty, context_seen, probs_from_logits
+from speculative.sampling import SamplingParams, probs_from_logits
 
 
 def argmax_decides(params: SamplingParams) -> bool:
-    """True when a verdict depends only on each node's argmax (greedy, no penalty), so a caller may
-    reduce logits to argmax where they are and use `acceptance.follow_choices`."""
-    return params.greedy and not params.uses_penalty
+    """True when a verdict depends only on each node's argmax (greedy, no logits processor), so a
+    caller may reduce logits to argmax where they are and use `acceptance.follow_choices`."""
+    return params.greedy and not processes(params)
 
 
 def verify_tree(
     proposal: Proposal,
     logits: torch.Tensor,  # [n+1, V] target logits at the tree's nodes, node order
-    context: list[int],  # committed tokens, the tree's root last
+    context: NodeContext,  # committed tokens (the tree's root last), prompt length, end tokens
     params: SamplingParams,
 ) -> Verdict:
     tree = proposal.tree
-    if params.uses_penalty:
+    if processes(params):
         paths = [tree.path_tokens(node) for node in range(tree.size + 1)]
-        seen = context_seen(context, paths, logits.shape[-1])
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        logits = processed(logits, context, paths, params)
     if params.greedy:
         return accept_greedy(tree, logits)
     probs = probs_from_logits(logits, params)  # [n+1, V]
     keyed = KeyedDraws(params.seed, Stream.TARGET)
-    base = len(context)  # position of the first token this step emits
+    base = len(context.tokens)  # position of the first token this step emits
 
     def draw(depth: int, index: int) -> float:
         return keyed(base + depth, index)

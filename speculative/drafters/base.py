@@ -24,6 +24,7 @@ class DraftRequest:
     tokens: tuple[int, ...]  # committed tokens, prompt included; the last one is the tree's root
     budget: int  # most draft tokens along any path (speculation length); 0 = propose nothing
     params: SamplingParams
+    prompt_len: int = 0  # how many of `tokens` are the prompt (output penalties, min_tokens)
 
 
 @dataclass(frozen=True)

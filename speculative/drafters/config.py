@@ -11,6 +11,7 @@ from speculative.drafters.base import Drafter
 from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.model import DraftModelDrafter
+from speculative.loading import eos_ids_of
 from speculative.runner import ModelRunner
 
 
@@ -70,6 +71,7 @@ def build_drafter(config: DrafterConfig, draft_model: PreTrainedModel | None, ta
         tree_width=config.tree_width,
         tree_nodes=config.tree_nodes,
         sampled=config.sampled,
+        eos_ids=eos_ids_of(draft_model),
     )
     if config.kind == "hybrid":
         # 1-gram matches are too weak to displace the model: hybrid matches 2-grams at least.

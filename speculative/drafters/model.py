@@ -15,9 +15,10 @@ import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
 from speculative.packing import row_offsets
+from speculative.processing import NodeContext, processed, processes
 from speculative.rng import Stream, sample, uniform
 from speculative.runner import ModelRunner, chain_parents
-from speculative.sampling import apply_repetition_penalty, context_seen, probs_from_logits
+from speculative.sampling import probs_from_logits
 from speculative.tree import TokenTree
 
 
@@ -42,9 +43,11 @@ class DraftModelDrafter:
         tree_nodes: int = 64,
         sampled: bool = True,
         catch_up_chunk: int = 512,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         """`catch_up_chunk`: most tokens a row catches up on per forward (a long prompt takes several, so
-        no forward holds attention over more than that many new tokens)."""
+        no forward holds attention over more than that many new tokens). `eos_ids`: end tokens, banned
+        before a request's `min_tokens` as the target bans them."""
         if tree_width < 1 or tree_nodes < 1:
             raise ValueError("tree_width and tree_nodes must be >= 1")
         self.runner = runner
@@ -54,6 +57,7 @@ class DraftModelDrafter:
         self.max_nodes = tree_nodes  # most draft nodes in one tree
         self.sampled = sampled  # under sampling: children drawn from q (rejection rule), not top-k
         self.catch_up_chunk = catch_up_chunk
+        self.eos_ids = eos_ids
 
     def release(self, seq_ids: list[str]) -> None:
         known = [s for s in seq_ids if s in self.runner.rows]
@@ -107,9 +111,8 @@ class DraftModelDrafter:
         """Add the children of node `idx`; logits: [V_draft] next-token logits at that node."""
         path = self._path_tokens(nodes, idx)
         scores = logits[None, : self.vocab]  # [1, V]
-        if req.params.uses_penalty:  # a [V] mask of the context per node: only when it matters
-            seen = context_seen(list(req.tokens), [path], self.vocab)
-            scores = apply_repetition_penalty(scores, seen, req.params.repetition_penalty)
+        if processes(req.params):  # the target's processors, on this node's context
+            scores = processed(scores, NodeContext(req.tokens, req.prompt_len, self.eos_ids), [path], req.params)
         q = probs_from_logits(scores, req.params)[0]  # [V]
         nodes[idx].probs = q
         for tok in self._children(req, q, scores[0], depth, idx):

@@ -35,8 +35,9 @@ from scipy import stats
 
 from speculative.acceptance import Draw, Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
 from speculative.drafters.base import Proposal
+from speculative.processing import NodeContext, processed
 from speculative.rng import Stream, sample, uniform
-from speculative.sampling import SamplingParams, apply_repetition_penalty, context_seen, probs_from_logits
+from speculative.sampling import SamplingParams, probs_from_logits
 from speculative.tree import TokenTree
 from speculative.verify import verify_tree
 
@@ -57,6 +58,10 @@ SETTINGS = {
     "topp0.8": SamplingParams(top_p=0.8),
     "t1.3-k4-p0.9": SamplingParams(temperature=1.3, top_k=4, top_p=0.9),
     "penalty1.5": SamplingParams(repetition_penalty=1.5),
+    # the other logits processors (speculative/processing.py) and min-p, on p and q alike
+    "presence-frequency": SamplingParams(presence_penalty=0.8, frequency_penalty=0.5),
+    "bias-minp": SamplingParams(logit_bias=((1, 2.0), (4, -3.0)), min_p=0.1),
+    "min-tokens": SamplingParams(min_tokens=1, stop_token_ids=(3,)),  # token 3 banned as the first token only
 }
 
 
@@ -99,9 +104,9 @@ class Tables:
 def _tables(setting: str) -> Tables:
     params = SETTINGS[setting]
     last = _last_tokens()
-    seen = context_seen(list(PROMPT), [list(s) for s in SUFFIXES], V)  # [R, V]
-    target = apply_repetition_penalty(TARGET_LOGITS[last], seen, params.repetition_penalty)
-    draft = apply_repetition_penalty(DRAFT_LOGITS[last], seen, params.repetition_penalty)
+    paths = [list(s) for s in SUFFIXES]  # every suffix is output: the prompt is PROMPT
+    target = processed(TARGET_LOGITS[last], NodeContext(PROMPT, len(PROMPT)), paths, params)
+    draft = processed(DRAFT_LOGITS[last], NodeContext(PROMPT, len(PROMPT)), paths, params)
     p = probs_from_logits(target, params).double()  # [R, V]
     q = torch.cat([probs_from_logits(draft, params), torch.zeros(1, V)]).double()  # [R+1, V]
     return Tables(list(p), list(q), q.tolist(), (q > 0).sum(-1).tolist(), draft)
@@ -293,7 +298,7 @@ def _step(case: Case, setting: str, seed: int, emitted: tuple[int, ...], replay:
         logits = TARGET_LOGITS[[_last_tokens()[r] for r in draft.rows]]  # [n+1, V]
         params = SETTINGS[setting].model_copy(update={"seed": seed})
         proposal = Proposal(tree, None if q is None else q.float())
-        assert verify_tree(proposal, logits, [*PROMPT, *emitted], params) == verdict
+        assert verify_tree(proposal, logits, NodeContext([*PROMPT, *emitted], len(PROMPT)), params) == verdict
     return verdict
 
 
@@ -420,9 +425,9 @@ def test_tables_equal_the_per_node_production_transforms() -> None:
         for emitted, path in [((), ()), ((), (4,)), ((4,), ()), ((4,), (4, 2)), ((1, 6), (3,))]:
             suffix = (*emitted, *path)
             last = [suffix[-1] if suffix else PROMPT[-1]]
-            seen = context_seen([*PROMPT, *emitted], [list(path)], V)  # [1, V]
+            context = NodeContext([*PROMPT, *emitted], len(PROMPT))
             for logits, table in ((DRAFT_LOGITS, t.q), (TARGET_LOGITS, t.p)):
-                row = apply_repetition_penalty(logits[last], seen, params.repetition_penalty)  # [1, V]
+                row = processed(logits[last], context, [list(path)], params)  # [1, V]
                 assert torch.equal(probs_from_logits(row, params)[0].double(), table[SUFFIX_ROW[suffix]])
 
 
@@ -461,11 +466,11 @@ def test_drafted_tree_shapes() -> None:
     tree = _draft(RULES["tree"].drafter, "t1", 3, ()).proposal
     topk = _draft(RULES["topk-tree"].drafter, "t1", 0, ()).proposal
     plain = _draft(RULES["plain"].drafter, "t1", 0, ()).proposal
-    assert chain.tree.parents == (0, 1) and chain.sampled
-    assert tree.tree.size == 9 and len(tree.tree.children[0]) == 3 and tree.sampled
+    assert chain.tree.parents == (0, 1) and chain.draft_probs is not None
+    assert tree.tree.size == 9 and len(tree.tree.children[0]) == 3 and tree.draft_probs is not None
     assert sorted(len(tree.tree.children[n]) for n in (1, 2, 3)) == [0, 3, 3]
-    assert topk.tree.parents == (0, 0, 1, 1) and not topk.sampled
-    assert plain.tree.size == 0 and not plain.sampled
+    assert topk.tree.parents == (0, 0, 1, 1) and topk.draft_probs is None
+    assert plain.tree.size == 0 and plain.draft_probs is None
     # top-k 3 leaves q three tokens: the sampled root children are exactly them
     topk3 = _draft(RULES["tree"].drafter, "topk3", 3, ()).proposal
     support = set(torch.nonzero(_tables("topk3").q[SUFFIX_ROW[()]]).flatten().tolist())
@@ -529,7 +534,7 @@ def test_greedy_penalty_follows_each_node_path() -> None:
     logits[0, 4], logits[0, 2] = 3.0, 2.0  # root: 4 wins
     logits[2, 4], logits[2, 5] = 3.0, 2.0  # after 4: 4 wins unpenalised, loses to 5 at penalty 2
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    verdict = verify_tree(Proposal(tree), logits, [1, 7], params)
+    verdict = verify_tree(Proposal(tree), logits, NodeContext([1, 7], 1), params)
     assert verdict.accepted == (2,) and verdict.tokens == (4, 5)
-    plain = verify_tree(Proposal(tree), logits, [1, 7], SamplingParams(temperature=0.0))
+    plain = verify_tree(Proposal(tree), logits, NodeContext([1, 7], 1), SamplingParams(temperature=0.0))
     assert plain.tokens == (4, 4)
