@@ -16,7 +16,7 @@ proto: $(PROTO_STUBS)  ## generate the gRPC stubs of proto/specserve.proto (git-
 $(PROTO_STUBS) &: proto/specserve.proto
 	$(PYTHON) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/specserve.proto
 
-k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml (tests/unit/test_k8s.py checks they agree)
+k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml, k8s/grafana-dashboard.yaml's JSON from deploy/grafana/ (tests/unit/test_k8s.py checks they agree)
 	$(PYTHON) -m deploy.k8s render
 
 models: setup  ## fetch + convert the real models of docs/models.md (skipped when present)

@@ -79,6 +79,7 @@ def usage(seq: Sequence) -> dict[str, Any]:
         "prompt_tokens": len(seq.prompt),
         "completion_tokens": len(seq.output),
         "steps": seq.stats.steps,
+        "drafts": seq.stats.drafts,
         "drafted": seq.stats.drafted,
         "accepted": seq.stats.accepted,
         "acceptance_length": seq.stats.acceptance_length,

@@ -28,7 +28,7 @@ from actors.admission import ContextWindow
 from actors.config import RouterConfig
 from actors.lane import Lane, LaneContext
 from actors.loading import Resolver, identity, load_decoder
-from actors.metrics import RouterMetrics
+from actors.metrics import RouterMetrics, mark_replica_up
 from actors.pools import Pool, ServePool
 from actors.records import Live, StepRecord
 from actors.wire import DraftInfo, Reserved, TargetInfo
@@ -78,6 +78,7 @@ class Router:
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
         self._metrics = RouterMetrics()
+        mark_replica_up()
         self._costs = StepCosts(config.depth)  # lanes come and go; what a verify or draft costs here outlives them
 
     # ---- public API ----------------------------------------------------------------------

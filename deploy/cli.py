@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from deploy.demo import DEFAULT_CONFIG, serve_demo
 
     config = Path(args.config) if args.config else DEFAULT_CONFIG
-    return serve_demo(config, args.prompt, args.max_tokens, args.keep_running, args.port)
+    return serve_demo(config, args.prompt, args.max_tokens, args.keep_running, args.port, args.metrics_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     srv.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     srv.add_argument("--max-tokens", type=int, default=96)
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint (/metrics)")
     srv.add_argument("--keep-running", action="store_true", help="keep serving after the demo request")
     srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)

@@ -1,13 +1,15 @@
 """The demo: the server on an embedded local Ray, with the default models, answering a request.
 
     python -m deploy.cli serve                 # what `make run` runs
-    python -m deploy.cli serve --keep-running  # stay up: http://127.0.0.1:8000/v1, gRPC :9000
+    python -m deploy.cli serve --keep-running  # stay up: http://127.0.0.1:8000/v1, gRPC :9000,
+                                               # Prometheus http://127.0.0.1:8080/metrics
 
 Fetches the models of the config (progress per model), starts Ray and Serve in this process,
 deploys the application of `deploy/local.yaml`, waits for it to load, then streams the same chat
 completion through the OpenAI-compatible HTTP API twice: with speculation, and with
 `max_draft_tokens: 0` (plain decoding, the same tokens), and prints both rates side by side with
-the acceptance length. Ray's and Serve's own log lines go to Ray's session folder, not here.
+the acceptance length. Ray's and Serve's own log lines go to Ray's session folder, not here; Ray's
+metrics agent serves the application's metrics for Prometheus on `--metrics-port` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -29,6 +32,7 @@ import yaml
 from deploy.models import REGISTRY, fetch
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "local.yaml"
+METRICS_PORT = 8080  # Prometheus endpoint of Ray's metrics agent: the port the cluster and k8s/ use
 
 
 def app_block(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -165,14 +169,33 @@ def _session_logs() -> str:
         return "/tmp/ray/session_latest/logs"
 
 
-def start_local_ray(args: dict[str, Any], apps: int = 1) -> None:
+def _bindable(port: int) -> int:
+    """`port` if it is free, else one the kernel picks: Ray's start fails, after 30 s and with a message
+    naming no port, when its metrics agent cannot bind."""
+    for candidate in (port, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("", candidate))
+            except OSError:
+                continue
+            free: int = s.getsockname()[1]
+        if free != port:
+            print(f"port {port} is in use: Prometheus metrics on {free} instead", file=sys.stderr)
+        return free
+    raise OSError("no free port for Ray's metrics agent")
+
+
+def start_local_ray(args: dict[str, Any], apps: int = 1, metrics_port: int = METRICS_PORT) -> str:
     """Ray embedded in this process, with CPUs for `apps` applications of the config's replicas; its log
-    lines go to its folder."""
+    lines go to its folder. Returns the URL of its Prometheus endpoint (Ray's metrics agent on
+    `metrics_port`, or another port where that one is taken: specserve's metrics beside Ray's and
+    Serve's, docs/metrics.md)."""
     import ray
 
     from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # Serve's proxies (started by this Ray) read it
+    metrics_port = _bindable(metrics_port)
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, apps * _logical_cpus(args)),
@@ -180,9 +203,13 @@ def start_local_ray(args: dict[str, Any], apps: int = 1) -> None:
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
         log_to_driver=False,  # the replicas' lines stay in Ray's session folder (printed below)
         logging_level=logging.WARNING,
+        _metrics_export_port=metrics_port,  # `ray start --metrics-export-port`, as on a cluster
     )
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     print(f"Ray and Serve log to {_session_logs()}", file=sys.stderr)
+    print(f"Prometheus metrics: {metrics} (docs/metrics.md)", file=sys.stderr)
+    return metrics
 
 
 def deploy_local(
@@ -213,7 +240,14 @@ def deploy_local(
     return url
 
 
-def serve_demo(config_path: Path, prompt: str, max_tokens: int, keep_running: bool, port: int = 8000) -> int:
+def serve_demo(
+    config_path: Path,
+    prompt: str,
+    max_tokens: int,
+    keep_running: bool,
+    port: int = 8000,
+    metrics_port: int = METRICS_PORT,
+) -> int:
     import ray
     from ray import serve
 
@@ -221,7 +255,7 @@ def serve_demo(config_path: Path, prompt: str, max_tokens: int, keep_running: bo
     for key in ("target_model", "draft_model"):
         if args.get(key) in REGISTRY:
             fetch(args[key])
-    start_local_ray(args)
+    metrics = start_local_ray(args, metrics_port=metrics_port)
     try:
         url = deploy_local(args, port, grpc_options)
         model = args.get("front_door", {}).get("served_model_name", args["target_model"])
@@ -233,7 +267,8 @@ def serve_demo(config_path: Path, prompt: str, max_tokens: int, keep_running: bo
         print("\n" + _report(spec, plain), file=sys.stderr)
         if keep_running:
             print(
-                f"\nserving {model}: {url}/v1 (OpenAI), gRPC on :{grpc_options.get('port', 9000)}; Ctrl-C stops",
+                f"\nserving {model}: {url}/v1 (OpenAI), gRPC on :{grpc_options.get('port', 9000)}, "
+                f"metrics on {metrics}; Ctrl-C stops",
                 file=sys.stderr,
             )
             while True:

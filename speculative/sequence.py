@@ -15,6 +15,7 @@ from speculative.tree import TokenTree
 @dataclass
 class SequenceStats:
     steps: int = 0  # target forwards (verify steps) this sequence took part in
+    drafts: int = 0  # of them, steps with a draft of >= 1 token (vLLM's num_drafts)
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
@@ -56,8 +57,10 @@ class Sequence:
     ) -> list[int]:
         """Record one verified step: stats, output (and `logprobs`, one per token) cut at a stop.
         Returns the new tokens."""
+        drafted = tree.size if tree is not None else 0
         self.stats.steps += 1
-        self.stats.drafted += tree.size if tree is not None else 0
+        self.stats.drafts += int(drafted > 0)
+        self.stats.drafted += drafted
         self.stats.accepted += n_accepted
         before = len(self.output)
         self.output += tokens

@@ -1,9 +1,11 @@
-"""The Kubernetes manifests, offline: schemas, the serveConfigV2 drift, and pool sizing.
+"""The Kubernetes manifests, offline: schemas, the serveConfigV2 and dashboard drift, pool sizing, scraping.
 
 The RayService is validated against the KubeRay CRD's OpenAPI v3 schema (k8s/schemas/), its pod
 templates and the metrics Service against Kubernetes' own schemas (`kubernetes-validate`, strict:
-unknown fields fail). serveConfigV2 must be deploy/cluster-gpu.yaml verbatim, and each worker group
-must fit its pool: the target group tp_size GPUs per pod, the draft group one replica per GPU.
+unknown fields fail). serveConfigV2 must be deploy/cluster-gpu.yaml verbatim, the Grafana ConfigMap's
+JSON deploy/grafana/specserve-dashboard.json, and each worker group must fit its pool: the target
+group tp_size GPUs per pod, the draft group one replica per GPU. The PodMonitor (a Prometheus Operator
+CRD, whose schema is not vendored) must select every group and scrape its metrics port.
 """
 
 from __future__ import annotations
@@ -161,3 +163,31 @@ def test_worker_groups_fit_their_pools() -> None:
     assert per_pod >= 1 and config.draft_pool.resources.keys() <= node_resources(draft).keys()
     assert draft["maxReplicas"] * math.floor(per_pod) >= config.draft_pool.autoscaling.max_replicas
     assert not (pool.resources.keys() & node_resources(draft).keys()), "pools must not share a node type"
+
+
+def test_grafana_dashboard_configmap_holds_the_dashboard_for_grafanas_sidecar() -> None:
+    configmap = yaml.safe_load(k8s.DASHBOARD_CONFIGMAP.read_text())
+    kubernetes_validate.validate(configmap, KUBERNETES, strict=True)
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's default label
+    (text,) = configmap["data"].values()
+    assert json.loads(text) == json.loads(k8s.DASHBOARD.read_text())
+    block = k8s.BLOCKS[1]
+    committed, edited = block.manifest.read_text(), block.source.read_text().replace("specserve", "renamed")
+    stale = k8s.render(committed, edited, block.key)
+    assert stale != committed and k8s.render(stale, block.source.read_text(), block.key) == committed
+
+
+def test_podmonitor_scrapes_the_metrics_port_of_every_group() -> None:
+    monitor = yaml.safe_load((K8S / "podmonitor.yaml").read_text())
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    # No Prometheus Operator schema here: its metadata is checked as Kubernetes' own, its spec by name.
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": monitor["metadata"]}, KUBERNETES)
+    assert monitor["spec"].keys() <= {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    for name, group in groups(rayservice()).items():
+        assert selector <= group["template"]["metadata"]["labels"].items(), name
+        (container,) = group["template"]["spec"]["containers"]
+        ports = {p["name"]: str(p["containerPort"]) for p in container["ports"]}
+        assert ports[endpoint["port"]] == group["rayStartParams"]["metrics-export-port"], name
