@@ -14,7 +14,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from transformers import PreTrainedTokenizerBase
@@ -98,6 +98,16 @@ class FrontDoorConfig(BaseModel):
         description="Threads that parse requests, render chat templates, tokenize and detokenize long outputs, so "
         "the event loop serving every stream and /health never waits on a large prompt.",
     )
+    unknown_fields: Literal["ignore", "reject"] = Field(
+        default="ignore",
+        description="What the OpenAI HTTP API does with a request field it does not know. `ignore` (the default, as "
+        "vLLM does): the request is served, the fields are logged at warning level and named in the response's "
+        "`x-specserve-ignored-fields` header; clients and SDKs written for OpenAI or vLLM send fields a server "
+        "does not know (`store`, `metadata`, `service_tier`, newer SDK fields), and refusing them makes a drop-in "
+        "server fail. vLLM extensions that would change the output if ignored (`guided_json`, `use_beam_search`, "
+        "`truncate_prompt_tokens`...) are refused all the same. `reject`: any unknown field is a 400 naming it, as "
+        "OpenAI answers. Known fields are validated strictly either way (docs/openai.md).",
+    )
 
 
 @dataclass(frozen=True)
@@ -161,8 +171,8 @@ class FrontDoor:
             return True
         return token is not None and secrets.compare_digest(token.encode(), key.get_secret_value().encode())
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def load_front_door(config: FrontDoorConfig, model: str, resolve: Callable[[str], str] = str) -> FrontDoor:
@@ -308,18 +318,34 @@ class Detokenizer:
     Text is decoded from all the output tokens each time (the decode the router's stop check uses,
     so a stop string it stopped at is found here too). Held back until decided: an incomplete UTF-8
     character (decoded as U+FFFD) and a tail that may be the start of a stop string.
+
+    As vLLM's `include_stop_str_in_output`: off (the default), the text ends before the stop string,
+    and a stop token the output ended on (one of `stop_ids`: the request's stop token ids, the
+    model's end of sequence) is no part of the text, even where special tokens are not skipped;
+    on, both stay in the text. The token ids keep the stop token either way.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self._decode = decode
         self._stop = stop
+        self._include_stop = include_stop
+        self._stop_ids = stop_ids
         self.token_ids: list[int] = []
         self.sent = 0  # characters of text handed out
 
     def push(self, token_ids: list[int], finish_reason: str | None = None) -> str:
         """The new text after `token_ids`; with a finish_reason, all the rest, cut at a stop string."""
         self.token_ids += token_ids
-        text = self._decode(self.token_ids)
+        ids = self.token_ids
+        if finish_reason == "stop" and not self._include_stop and ids and ids[-1] in self._stop_ids:
+            ids = ids[:-1]  # the router ends an output on its stop token: the last one
+        text = self._decode(ids)
         if finish_reason is not None:
             end = self._stop_cut(text) if finish_reason == "stop" else len(text)
         else:
@@ -329,8 +355,11 @@ class Detokenizer:
         return delta
 
     def _stop_cut(self, text: str) -> int:
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        return max(min(hits), self.sent) if hits else len(text)
+        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self._stop) if i >= 0]
+        if not hits:
+            return len(text)
+        start, length = min(hits)
+        return max(start + length if self._include_stop else start, self.sent)
 
     def _undecided_tail(self, text: str) -> int:
         if text.endswith("\ufffd"):

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP front door: a FastAPI app over the router's generate / generate_stream.
 
-    POST /v1/completions        text or token-id prompt; `stream: true` for server-sent events
+    POST /v1/completions        text or token-id prompts; `stream: true` for server-sent events
     POST /v1/chat/completions   messages through the model's own chat template
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model; GET /v1/models/{id} its card
+    POST /tokenize, /detokenize vLLM's: the token ids a prompt or conversation runs on, and back
     GET  /health                readiness: 200 while a target replica can serve, else 503 (no API key)
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for every malformed
@@ -12,7 +13,9 @@ is full (`actors.router.Overloaded`).
 
 Parsing, chat templating and tokenizing run on the front door's threads (`FrontDoor.off_loop`):
 the replica's event loop also drives every lane and answers /health, and a 4 MB prompt takes
-seconds to tokenize.
+seconds to tokenize. deploy/openai_serving.py runs a completions or chat request's choices on the
+router; request fields the API does not declare are ignored (named in the
+`x-specserve-ignored-fields` header) or refused, as `front_door.unknown_fields` says.
 
 Wiring (deploy/app.py): the ingress is the Router class itself with the two front-door mixins;
 Serve builds this app on each replica after the constructor (`__serve_build_asgi_app__`), so the
@@ -42,40 +45,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.admission import ContextWindow
-from actors.router import Overloaded, StreamTimeout
-from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error, param_path, too_large
-from deploy.openai_api import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChunkChoice,
-    Completion,
-    CompletionChoice,
-    CompletionRequest,
-    Delta,
-    ErrorBody,
-    ModelCard,
-    ModelList,
-    Usage,
-    new_id,
-    openai_to_generation,
-    parse_request,
-)
+from actors.router import Overloaded
+from deploy.frontdoor import Backend, FrontDoor, RequestError, param_path, too_large
+from deploy.openai_api import ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList
+from deploy.openai_serving import serve
+from deploy.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from deploy.unknown_fields import ignored_header
 
 logger = logging.getLogger(__name__)
-OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
 class OpenAIIngress:
@@ -107,33 +92,53 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
             return JSONResponse(ErrorBody.of(error).model_dump(), status_code=503)
         return JSONResponse({"status": "ok", "model": front.model_name})
 
+    async def card() -> ModelCard:
+        window = front.served_window(await backend.info())
+        return ModelCard(id=front.model_name, created=0, max_model_len=window.tokens)
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> ModelList:
-        window = front.served_window(await backend.info())
-        card = ModelCard(id=front.model_name, created=0, max_model_len=window.tokens)
-        return ModelList(data=[card])
+        return ModelList(data=[await card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> ModelCard:
+        front.check_model(model_id)  # another id: 404 model_not_found, as OpenAI answers
+        return await card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)], openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = await read_body(request, front.config.max_request_bytes)
-        return await _serve(backend, front, CompletionRequest, body)
+        return await serve(backend, front, CompletionRequest, body)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, front.config.max_request_bytes)
-        return await _serve(backend, front, ChatCompletionRequest, body)
+        return await serve(backend, front, ChatCompletionRequest, body)
 
-    _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    @app.post("/tokenize", dependencies=[Depends(authorize)], openapi_extra=_body(TokenizeRequest))
+    async def tokenize_route(request: Request) -> Response:
+        body = await read_body(request, front.config.max_request_bytes)
+        window = front.served_window(await backend.info())
+        reply, ignored = await front.off_loop(tokenize, front, body, window.tokens)
+        return JSONResponse(reply.model_dump(mode="json"), headers=ignored_header(ignored))
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)], openapi_extra=_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> Response:
+        body = await read_body(request, front.config.max_request_bytes)
+        reply, ignored = await front.off_loop(detokenize, front, body)
+        return JSONResponse(reply.model_dump(mode="json"), headers=ignored_header(ignored))
+
+    _document_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     return app
 
 
-def _body(model: type[OpenAIRequest]) -> dict[str, Any]:
+def _body(model: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI request body of a route that parses its raw body itself (parse_request names the field)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _document_bodies(app: FastAPI, models: tuple[type[OpenAIRequest], ...]) -> None:
+def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
     """Add the request models (and the models they nest) to the OpenAPI document's components."""
     build = app.openapi
 
@@ -167,117 +172,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     if size > limit or (declared.isdigit() and int(declared) > limit):
         raise too_large(max(size, int(declared) if declared.isdigit() else 0), limit)
     return bytes(body)
-
-
-def _prepare(
-    front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: int, window: ContextWindow
-) -> tuple[OpenAIRequest, list[int], dict[str, Any]]:
-    """Parse, check the model and tokenize: the request's CPU work, run off the event loop."""
-    request = parse_request(cls, body)
-    front.check_model(request.model)
-    ids, sampling = openai_to_generation(request, front, seed, window)
-    return request, ids, sampling
-
-
-async def _serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], body: bytes) -> Response:
-    window = front.served_window(await backend.info())
-    request, ids, sampling = await front.off_loop(_prepare, front, cls, body, secrets.randbits(63), window)
-    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-    detok = Detokenizer(front.decode, tuple(sampling["stop"]))
-    if request.stream:
-        stream = backend.generate_stream(ids, sampling)
-        try:  # admission happens at the first chunk: its errors still get a status code
-            first = await anext(stream)
-        except Exception as e:
-            await _close(stream)
-            if (error := client_error(e, prompt_param)) is None:
-                raise  # Overloaded -> 429 (its handler); anything else -> 500
-            raise error from e
-        except BaseException:
-            await _close(stream)
-            raise
-        return StreamingResponse(
-            _events(request, front, detok, first, stream),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    try:
-        result = await backend.generate(ids, sampling)
-    except Exception as e:
-        if (error := client_error(e, prompt_param)) is None:
-            raise
-        raise error from e
-    text = await front.detokenize(detok, list(result["token_ids"]), result["finish_reason"])
-    return JSONResponse(_full_response(request, front.model_name, text, result).model_dump(mode="json"))
-
-
-def _full_response(
-    request: OpenAIRequest, model: str, text: str, result: dict[str, Any]
-) -> Completion | ChatCompletion:
-    token_ids = list(result["token_ids"]) if request.return_token_ids else None
-    usage = Usage.from_router(result.get("usage") or {})
-    reason = result["finish_reason"]
-    if isinstance(request, ChatCompletionRequest):
-        rid, created = new_id("chatcmpl")
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason, token_ids=token_ids)
-        return ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage)
-    rid, created = new_id("cmpl")
-    completion = CompletionChoice(text=text, finish_reason=reason, token_ids=token_ids)
-    return Completion(id=rid, created=created, model=model, choices=[completion], usage=usage)
-
-
-async def _events(
-    request: OpenAIRequest,
-    front: FrontDoor,
-    detok: Detokenizer,
-    first: dict[str, Any],
-    stream: AsyncIterator[dict[str, Any]],
-) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
-    chat = isinstance(request, ChatCompletionRequest)
-    rid, created = new_id("chatcmpl" if chat else "cmpl")
-    model = front.model_name
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
-
-    def event(choices: list[Any], usage: Usage | None = None) -> str:
-        cls = ChatCompletionChunk if chat else Completion
-        return f"data: {cls(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()}\n\n"
-
-    def choice(text: str | None, ids: list[int], reason: str | None, role: bool = False) -> Any:
-        token_ids = ids if request.return_token_ids else None
-        if chat:
-            delta = Delta(role="assistant" if role else None, content=text)
-            return ChunkChoice(delta=delta, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
-        return CompletionChoice(text=text or "", finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
-
-    try:
-        if chat:
-            yield event([choice("", [], None, role=True)])
-        chunk = first
-        while True:
-            ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
-            text = await front.detokenize(detok, ids, reason)
-            if text or reason is not None or (ids and request.return_token_ids):
-                yield event([choice(text, ids, reason)])
-            if reason is not None:
-                if include_usage:
-                    yield event([], Usage.from_router(chunk.get("usage") or {}))
-                break
-            chunk = await anext(stream)
-    except Exception as e:  # the status line is sent: report in the stream, as OpenAI and vLLM do
-        logger.exception("stream failed")
-        code = "stream_timeout" if isinstance(e, StreamTimeout) else "internal_error"
-        error = RequestError(f"generation failed: {e}", status=500, type="server_error", code=code)
-        yield f"data: {ErrorBody.of(error).model_dump_json()}\n\n"
-    finally:
-        await _close(stream)  # on client disconnect too: the router cancels the sequence
-    yield "data: [DONE]\n\n"
-
-
-async def _close(stream: AsyncIterator[dict[str, Any]]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _install_error_handlers(app: FastAPI, front: FrontDoor) -> None:

@@ -1,26 +1,28 @@
 """OpenAI's `/v1/completions` and `/v1/chat/completions`: requests, responses, errors, and the mapping.
 
 Requests are validated as OpenAI validates them: strict JSON types (`"temperature": "1"` is an
-error), unknown fields refused ("Unrecognized request argument supplied"), values in OpenAI's
-ranges. Fields OpenAI defines that this server cannot honour (`n` > 1, `logprobs`, `echo`,
-penalties other than repetition, tools) are accepted at their neutral value and refused otherwise,
-naming the field. Extensions, as vLLM spells them: `top_k`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids`; and specserve's own `max_draft_tokens` (0 turns speculation off for
-the request: same tokens, plain decoding; for A/B runs on one deployment, or latency-critical requests).
+error), values in OpenAI's ranges. Fields the models do not declare are kept aside (`model_extra`)
+and ignored or refused as the deployment says (`front_door.unknown_fields`, deploy/unknown_fields.py).
+Fields OpenAI defines that this server cannot honour (`logprobs`, penalties other than repetition,
+tools) are accepted at their neutral value and refused otherwise, naming the field. Extensions, as
+vLLM spells them: `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `chat_template_kwargs`; and specserve's own
+`max_draft_tokens` (0 turns speculation off for the request: same tokens, plain decoding; for A/B
+runs on one deployment, or latency-critical requests).
 
-`openai_to_generation` maps a validated request to what the router takes: prompt token ids and a
-`SamplingParams` dict. Responses follow OpenAI's format; `usage` adds the speculative decoding
-counts (`draft_tokens`, `accepted_tokens`, `acceptance_length`).
+`openai_to_generation` maps a validated request's prompt (one of a completions batch) to what the
+router takes: prompt token ids and a `SamplingParams` dict; deploy/openai_choices.py makes the
+request's choices of them (`n`, batches, `echo`). Responses follow OpenAI's format; `usage` adds
+the speculative decoding counts (`draft_tokens`, `accepted_tokens`, `acceptance_length`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
-from transformers import PreTrainedTokenizerBase
 
 from actors.admission import ContextWindow
 from deploy.frontdoor import (
@@ -33,11 +35,21 @@ from deploy.frontdoor import (
     from_validation_error,
     sampling_params,
 )
-from deploy.prompts import ControlTextRefused, PromptTokenizer
+from deploy.openai_prompts import (
+    chat_prompt_ids,
+    chat_template_kwargs,
+    completion_prompt_ids,
+    completion_prompt_param,
+)
 
-_REQUEST = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+# extra="allow": unknown fields land in `model_extra`, for deploy/unknown_fields.py to ignore or refuse
+_REQUEST = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
 _RESPONSE = ConfigDict(extra="forbid")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
+# Each choice is a sequence of its own in the router: a request's choices are bounded as its size is.
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_CHOICES = 64  # choices per request: prompts x n
 
 
 def _one_of(expected: str) -> WrapValidator:
@@ -76,7 +88,9 @@ class _SamplingFields(BaseModel):
     model: str = Field(description="The served model's name (GET /v1/models).")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 is greedy; default 1.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus mass kept; default 1.")
-    n: int | None = Field(default=None, description="Choices per request; only 1 is supported.")
+    n: int | None = Field(
+        default=None, ge=1, le=MAX_N, description="Choices per prompt, each sampled with a seed of its own."
+    )
     stream: bool | None = Field(default=None, description="Server-sent events in OpenAI's chunk format.")
     stream_options: StreamOptions | None = Field(default=None, description="Only with stream: true.")
     stop: Stop
@@ -93,6 +107,12 @@ class _SamplingFields(BaseModel):
         default=None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS}, description="Extra stop tokens."
     )
     return_token_ids: bool | None = Field(default=None, description="Add `token_ids` to each choice.")
+    include_stop_str_in_output: bool | None = Field(
+        default=None, description="Keep the stop string (or stop token) the output ended on in the text."
+    )
+    skip_special_tokens: bool | None = Field(
+        default=None, description="Leave special tokens out of the text (default true); the token ids keep them."
+    )
     # specserve's own
     max_draft_tokens: int | None = Field(
         default=None, ge=0, le=64, description="Most draft tokens per step; 0: no speculation for this request."
@@ -102,7 +122,6 @@ class _SamplingFields(BaseModel):
         """(field, honoured, why not) for fields OpenAI defines that this server honours only in part."""
         unsupported = "not supported; use repetition_penalty"
         return [
-            ("n", self.n in (None, 1), "only n=1 is supported; send one request per choice"),
             ("frequency_penalty", not self.frequency_penalty, unsupported),
             ("presence_penalty", not self.presence_penalty, unsupported),
             ("logit_bias", not self.logit_bias, "not supported"),
@@ -121,19 +140,19 @@ R = TypeVar("R", bound=_SamplingFields)
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Prompt = Field(description="One prompt: text or token ids (a batch of one is accepted).")
+    prompt: Prompt = Field(description=f"Text or token ids, or a batch of up to {MAX_PROMPTS} of either.")
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Default 16.")
-    echo: bool | None = Field(default=None, description="Only false is supported.")
+    echo: bool | None = Field(default=None, description="Put the prompt's text before each choice's text.")
     logprobs: int | None = Field(default=None, ge=0, le=5, description="Not supported.")
-    best_of: int | None = Field(default=None, ge=1, le=20, description="Only 1 is supported.")
+    best_of: int | None = Field(default=None, ge=1, le=20, description="Only best_of = n is supported.")
     suffix: str | None = Field(default=None, description="Not supported.")
 
     def _limits(self) -> list[tuple[str, bool, str]]:
         no = "not supported by this server"
+        best_of = "only best_of = n is supported: ranking more candidates needs their log probabilities"
         return super()._limits() + [
-            ("echo", not self.echo, no),
             ("logprobs", self.logprobs is None, no),
-            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
+            ("best_of", self.best_of in (None, self.n or 1), best_of),
             ("suffix", self.suffix is None, no),
         ]
 
@@ -176,6 +195,9 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = Field(default=None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(default=None, description="Only an empty list is supported.")
     tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none' is supported.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Variables for the chat template (e.g. enable_thinking)."
+    )
 
     def _limits(self) -> list[tuple[str, bool, str]]:
         no = "not supported by this server"
@@ -199,9 +221,14 @@ def parse_request(cls: type[R], body: bytes) -> R:
 
 # ---- request -> router --------------------------------------------------------------------------
 def openai_to_generation(
-    request: CompletionRequest | ChatCompletionRequest, front: FrontDoor, seed: int, window: ContextWindow | None = None
+    request: CompletionRequest | ChatCompletionRequest,
+    front: FrontDoor,
+    seed: int,
+    window: ContextWindow | None = None,
+    prompt_index: int = 0,
 ) -> tuple[list[int], dict[str, Any]]:
-    """Prompt token ids and the SamplingParams dict of a validated request.
+    """Prompt token ids and the SamplingParams dict of a validated request (of its prompt `prompt_index`,
+    for a completions batch).
 
     `window`: what the deployment serves (`FrontDoor.served_window`); None: the front door's own.
 
@@ -211,11 +238,14 @@ def openai_to_generation(
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     check_stops(stop, request.stop_token_ids or ())  # before tokenizing: cheap refusals first
     if isinstance(request, ChatCompletionRequest):
-        prompt, prompt_param = chat_prompt_ids(request, front.tokenizer, front.prompts), "messages"
+        template = chat_template_kwargs(request.chat_template_kwargs, front.tokenizer)
+        prompt = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, template_kwargs=template)
+        prompt_param = "messages"
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         asked, default = request.max_completion_tokens or request.max_tokens, None
     else:
-        prompt, prompt_param = completion_prompt_ids(request.prompt, front.prompts), "prompt"
+        prompt_param = completion_prompt_param(request.prompt, prompt_index)
+        prompt = completion_prompt_ids(request.prompt, front.prompts, prompt_index)
         max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
     window = window or front.served_window({})
     max_tokens = fit_context(len(prompt), asked, default, window, prompt_param, max_param)
@@ -232,58 +262,6 @@ def openai_to_generation(
         "seed": request.seed if request.seed is not None else seed,
     }
     return prompt, sampling_params(fields)
-
-
-def completion_prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], prompts: PromptTokenizer) -> list[int]:
-    """One prompt's ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one),
-    control-token text in it as plain text (send token ids to place control tokens)."""
-    one: str | list[int]
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        one = cast(str | list[int], prompt)
-    elif len(prompt) == 1:
-        one = cast(str | list[int], prompt[0])  # a batch of one
-    else:
-        raise RequestError(
-            f"prompt: {len(prompt)} prompts in one request; batches are not supported, send one per request",
-            param="prompt",
-        )
-    ids = prompts.text(one) if isinstance(one, str) else list(one)
-    if not ids:
-        raise RequestError("prompt: must not be empty", param="prompt")
-    return ids
-
-
-def chat_prompt_ids(
-    request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, prompts: PromptTokenizer
-) -> list[int]:
-    """The conversation through the tokenizer's own chat template, with the assistant's turn opened.
-
-    Only the template's markers are control tokens: control-token text inside a message's content
-    is tokenized as plain text (deploy/prompts.py).
-    """
-    if tokenizer.chat_template is None:
-        raise RequestError("messages: this model has no chat template; use /v1/completions", param="messages")
-    # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
-
-    def render(conversation: list[dict[str, str]]) -> str:
-        try:
-            return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
-        except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation
-            raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
-
-    try:
-        ids = prompts.chat(messages, render)  # the template places BOS itself
-    except ControlTextRefused as e:
-        param = f"messages.[{e.index}].content"
-        raise RequestError(
-            f"{param}: holds the control token `{e.control}`, and this model's chat template changes message "
-            "text, so it cannot be kept as plain text",
-            param=param,
-        ) from None
-    if not ids:
-        raise RequestError("messages: the conversation renders to no tokens", param="messages")
-    return ids
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -72,9 +72,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def front_door(tokenizer: PreTrainedTokenizerFast, context_window: int = 64, api_key: str | None = None) -> FrontDoor:
-    config = FrontDoorConfig.model_validate({"served_model_name": MODEL_NAME, "api_key": api_key, "retry_after_s": 2})
-    return FrontDoor(config, tokenizer, context_window)
+def front_door(
+    tokenizer: PreTrainedTokenizerFast, context_window: int = 64, api_key: str | None = None, **config: Any
+) -> FrontDoor:
+    """The tiny model's front door; `config`: more FrontDoorConfig fields (e.g. unknown_fields)."""
+    fields = {"served_model_name": MODEL_NAME, "api_key": api_key, "retry_after_s": 2} | config
+    return FrontDoor(FrontDoorConfig.model_validate(fields), tokenizer, context_window)
 
 
 class FrontRouter:

@@ -136,8 +136,8 @@ def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
         (b'{"model": "tiny-llama", "prompt": "hi", "top_p": 2}', "top_p"),
         (b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": "many"}', "max_tokens"),
         (b'{"model": "tiny-llama", "prompt": ""}', "prompt"),
-        (b'{"model": "tiny-llama", "prompt": "hi", "n": 2}', "n"),
-        (b'{"model": "tiny-llama", "prompt": "hi", "bogus": 1}', "bogus"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "n": 17}', "n"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "bogus": 1, "guided_regex": "a+"}', "guided_regex"),
     ],
 )
 def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: bytes, field: str | None) -> None:
@@ -152,6 +152,15 @@ def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: by
         assert field in (error.get("param") or "") + error["message"]
     ok = client(served).completions.create(model=MODEL_NAME, prompt="the cat", max_tokens=3, temperature=0.0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_n_choices_and_ignored_fields_through_serves_proxy(served: dict) -> None:
+    """An unknown field is ignored and named in the header, which Serve's HTTP proxy passes on; n = 2 gives two."""
+    raw = client(served).completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=[7, 8, 9], n=2, seed=3, temperature=1.0, max_tokens=4, extra_body={"bogus": 1}
+    )
+    assert raw.headers["x-specserve-ignored-fields"] == "bogus"
+    assert [c.index for c in raw.parse().choices] == [0, 1]
 
 
 def metric_total(text: str, name: str) -> float:

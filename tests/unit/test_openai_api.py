@@ -96,15 +96,39 @@ BAD = [
     case("empty-token-list", CMP, completion(prompt=[]), 400, "prompt", "empty"),
     case("prompt-wrong-type", CMP, completion(prompt={"text": "hi"}), 400, "prompt", "must be a string"),
     case("token-id-out-of-vocab", CMP, completion(prompt=[5, 9999]), 400, "prompt", "token ids"),
-    case("batched-prompts", CMP, completion(prompt=["a", "b"]), 400, "prompt", "one per request"),
+    case("too-many-prompts", CMP, completion(prompt=["hello"] * 33), 400, "prompt", "at most 32"),
+    case("too-many-choices", CMP, completion(prompt=["hello"] * 8, n=9), 400, "n", "at most 64"),
+    case("empty-prompt-in-batch", CMP, completion(prompt=["hello", ""]), 400, "prompt.[1]", "empty"),
     case("empty-messages", CHAT, chat(messages=[]), 400, "messages", "at least 1"),
     case("missing-messages", CHAT, {"model": MODEL_NAME}, 400, "messages", "required"),
     case("bad-role", CHAT, chat(messages=msg(role="wizard")), 400, "messages.[0].role", "'user'"),
     case("content-wrong-type", CHAT, chat(messages=msg(content=7)), 400, "messages.[0].content", "must be a string"),
     case("image-part", CHAT, chat(messages=msg(content=IMAGE)), 400, "messages.[0].content", "text parts"),
-    case("n-two", CMP, completion(n=2), 400, "n", "n=1"),
-    case("unknown-field", CMP, completion(foo=1), 400, "foo", "Unrecognized request argument"),
-    case("unknown-message-field", CHAT, chat(messages=msg(mood="happy")), 400, "messages.[0].mood", "Unrecognized"),
+    case("n-high", CMP, completion(n=17), 400, "n", "less than or equal to 16"),
+    case("n-string", CHAT, chat(n="2"), 400, "n", "integer"),
+    case("best-of-above-n", CMP, completion(n=2, best_of=3), 400, "best_of", "best_of = n"),
+    case("echo-string", CMP, completion(echo="yes"), 400, "echo", "boolean"),
+    case("skip-special-string", CHAT, chat(skip_special_tokens="no"), 400, "skip_special_tokens", "boolean"),
+    case("template-kwargs-list", CHAT, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs", "object"),
+    case(
+        "template-kwarg-of-the-render",
+        CHAT,
+        chat(chat_template_kwargs={"tokenize": True}),
+        400,
+        "chat_template_kwargs.tokenize",
+        "not a template variable",
+    ),
+    case(
+        "template-kwarg-not-a-name",
+        CHAT,
+        chat(chat_template_kwargs={"a b": 1}),
+        400,
+        "chat_template_kwargs",
+        "not a template variable name",
+    ),
+    case("guided-json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", "structured output"),
+    case("beam-search", CMP, completion(use_beam_search=True), 400, "use_beam_search", "beam search"),
+    case("min-tokens", CMP, completion(min_tokens=3), 400, "min_tokens", "not supported"),
     case("empty-stop", CMP, completion(stop=["ok", ""]), 400, "stop", "empty"),
     case("stop-wrong-type", CMP, completion(stop=5), 400, "stop", "must be a string"),
     case(
@@ -312,8 +336,9 @@ def test_health_is_503_while_the_target_pool_is_silent(
     assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
 
 
+@pytest.mark.parametrize("n", [1, 3])
 def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(
-    client: TestClient, ingress: TinyIngress, monkeypatch: pytest.MonkeyPatch
+    client: TestClient, ingress: TinyIngress, monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
     real = ingress.generate_stream
 
@@ -324,11 +349,11 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(
                 raise RuntimeError("target pool unavailable")
 
     monkeypatch.setattr(ingress, "generate_stream", failing)
-    response = client.post("/v1/completions", json=completion(max_tokens=20, ignore_eos=True, stream=True))
+    response = client.post("/v1/completions", json=completion(max_tokens=20, ignore_eos=True, stream=True, n=n))
     assert response.status_code == 200
     *tokens, error, done = response.text.split("\n\n")[:-1]
     assert tokens and done == "data: [DONE]" and "target pool unavailable" in json.loads(error[6:])["error"]["message"]
-    assert ingress.active == 0  # the router's stream was closed: its sequence is gone
+    assert ingress.active == 0  # the router's streams were closed: every choice's sequence is gone
 
 
 def test_detokenizer_holds_back_what_may_start_a_stop_string() -> None:

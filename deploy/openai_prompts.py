@@ -1,0 +1,102 @@
+"""The prompt of an OpenAI request as token ids: a completions prompt (one of a batch) or a chat conversation.
+
+Client text is text: control-token text in a prompt or a message is tokenized as the characters it
+is (deploy/prompts.py); only the chat template's own markers are control tokens. /v1/completions,
+/v1/chat/completions and /tokenize tokenize through these, so /tokenize shows the ids a request runs on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, cast
+
+from transformers import PreTrainedTokenizerBase
+
+from deploy.frontdoor import RequestError
+from deploy.prompts import ControlTextRefused, PromptTokenizer
+
+if TYPE_CHECKING:
+    from deploy.openai_api import ChatMessage  # which imports this module
+
+
+def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completions request: one (text or token ids), or each of a batch."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [cast(str | list[int], prompt)]
+    return cast(list[str | list[int]], list(prompt))
+
+
+def completion_prompt_param(prompt: str | list[int] | list[str] | list[list[int]], index: int) -> str:
+    """How errors name prompt `index`: `prompt`, or `prompt.[i]` within a batch of more than one."""
+    return "prompt" if len(completion_prompts(prompt)) == 1 else f"prompt.[{index}]"
+
+
+def completion_prompt_ids(
+    prompt: str | list[int] | list[str] | list[list[int]], prompts: PromptTokenizer, index: int = 0
+) -> list[int]:
+    """Prompt `index`'s ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one),
+    control-token text in it as plain text (send token ids to place control tokens)."""
+    one = completion_prompts(prompt)[index]
+    ids = prompts.text(one) if isinstance(one, str) else list(one)
+    if not ids:
+        param = completion_prompt_param(prompt, index)
+        raise RequestError(f"{param}: must not be empty", param=param)
+    return ids
+
+
+def chat_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """A request's template variables (`enable_thinking`, ...); refused, naming it: a name that is no
+    template variable name, or that is an argument of the render itself or the template's `messages`."""
+    own = (set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}) | {"messages"}
+    for name in kwargs or {}:
+        if not name.isidentifier():
+            shown = repr(name) if len(name) <= 60 else repr(name[:57]) + "..."
+            message = f"chat_template_kwargs: {shown} is not a template variable name"
+            raise RequestError(message, param="chat_template_kwargs")
+        if name in own:
+            param = f"chat_template_kwargs.{name}"
+            raise RequestError(f"{param}: an argument of the template render, not a template variable", param=param)
+    return dict(kwargs or {})
+
+
+def chat_prompt_ids(
+    messages: list[ChatMessage],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: PromptTokenizer,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The conversation through the tokenizer's own chat template, with the assistant's turn opened
+    (`add_generation_prompt`) and `template_kwargs` as the template's variables.
+
+    Only the template's markers are control tokens: control-token text inside a message's content
+    is tokenized as plain text (deploy/prompts.py).
+    """
+    if tokenizer.chat_template is None:
+        raise RequestError("messages: this model has no chat template; use /v1/completions", param="messages")
+    # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    variables = template_kwargs or {}
+
+    def render(conversation: list[dict[str, str]]) -> str:
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **variables
+                )
+            )
+        except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation
+            raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
+
+    try:
+        ids = prompts.chat(turns, render)  # the template places BOS itself
+    except ControlTextRefused as e:
+        param = f"messages.[{e.index}].content"
+        raise RequestError(
+            f"{param}: holds the control token `{e.control}`, and this model's chat template changes message "
+            "text, so it cannot be kept as plain text",
+            param=param,
+        ) from None
+    if not ids:
+        raise RequestError("messages: the conversation renders to no tokens", param="messages")
+    return ids
