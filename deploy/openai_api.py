@@ -3,10 +3,12 @@
 Requests are validated as OpenAI validates them: strict JSON types (`"temperature": "1"` is an
 error), values in OpenAI's ranges. Fields the models do not declare are kept aside (`model_extra`)
 and ignored or refused as the deployment says (`front_door.unknown_fields`, deploy/unknown_fields.py).
-Fields OpenAI defines that this server cannot honour (`logprobs`, penalties other than repetition,
-tools) are accepted at their neutral value and refused otherwise, naming the field. Extensions, as
-vLLM spells them: `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `chat_template_kwargs`; and specserve's own
+Fields OpenAI defines that this server cannot honour (tools, structured output) are accepted at
+their neutral value and refused otherwise, naming the field. `logprobs` / `top_logprobs` are the
+target's raw log probabilities (before temperature and penalties, vLLM's default). Extensions, as
+vLLM spells them: `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `return_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
+`chat_template_kwargs`; and specserve's own
 `max_draft_tokens` (0 turns speculation off for the request: same tokens, plain decoding; for A/B
 runs on one deployment, or latency-critical requests).
 
@@ -50,6 +52,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_CHOICES = 64  # choices per request: prompts x n
+MAX_LOGPROBS = 20  # top log probabilities per token (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (SamplingParams' bound)
 
 
 def _one_of(expected: str) -> WrapValidator:
@@ -95,13 +99,21 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = Field(default=None, description="Only with stream: true.")
     stop: Stop
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Reproducible sampling; default random.")
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="Only 0 is supported.")
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(default=None, description="Only an empty map is supported.")
+    frequency_penalty: float | None = Field(
+        default=None, ge=-2.0, le=2.0, description="Subtracted from a token's logit per occurrence in the output."
+    )
+    presence_penalty: float | None = Field(
+        default=None, ge=-2.0, le=2.0, description="Subtracted from the logit of every token in the output."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (as a string) -> bias in -100..100, added to its logit."
+    )
     user: str | None = Field(default=None, max_length=512, description="End-user id; accepted, unused.")
     # extensions (vLLM's names)
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="Keep the k most likely; -1/0: all.")
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0, description="HF/CTRL penalty; 1: off.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Drop tokens below min_p x the top one.")
+    min_tokens: int | None = Field(default=None, ge=0, le=1_000_000, description="No end or stop token before this.")
     ignore_eos: bool | None = Field(default=None, description="Generate past end-of-sequence tokens.")
     stop_token_ids: list[TokenId] | None = Field(  # bounded by check_stops, as on gRPC (the same message)
         default=None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS}, description="Extra stop tokens."
@@ -120,11 +132,7 @@ class _SamplingFields(BaseModel):
 
     def _limits(self) -> list[tuple[str, bool, str]]:
         """(field, honoured, why not) for fields OpenAI defines that this server honours only in part."""
-        unsupported = "not supported; use repetition_penalty"
         return [
-            ("frequency_penalty", not self.frequency_penalty, unsupported),
-            ("presence_penalty", not self.presence_penalty, unsupported),
-            ("logit_bias", not self.logit_bias, "not supported"),
             ("stream_options", self.stream_options is None or bool(self.stream), "only allowed when stream is true"),
         ]
 
@@ -143,7 +151,9 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(description=f"Text or token ids, or a batch of up to {MAX_PROMPTS} of either.")
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Default 16.")
     echo: bool | None = Field(default=None, description="Put the prompt's text before each choice's text.")
-    logprobs: int | None = Field(default=None, ge=0, le=5, description="Not supported.")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="Each token's log probability and this many top ones."
+    )
     best_of: int | None = Field(default=None, ge=1, le=20, description="Only best_of = n is supported.")
     suffix: str | None = Field(default=None, description="Not supported.")
 
@@ -151,7 +161,6 @@ class CompletionRequest(_SamplingFields):
         no = "not supported by this server"
         best_of = "only best_of = n is supported: ranking more candidates needs their log probabilities"
         return super()._limits() + [
-            ("logprobs", self.logprobs is None, no),
             ("best_of", self.best_of in (None, self.n or 1), best_of),
             ("suffix", self.suffix is None, no),
         ]
@@ -190,8 +199,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096, description="The conversation so far.")
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Deprecated by OpenAI.")
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="Default: the rest.")
-    logprobs: bool | None = Field(default=None, description="Only false is supported.")
-    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Not supported.")
+    logprobs: bool | None = Field(default=None, description="Each output token's log probability.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many most likely tokens at each."
+    )
     response_format: ResponseFormat | None = Field(default=None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(default=None, description="Only an empty list is supported.")
     tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none' is supported.")
@@ -202,8 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _limits(self) -> list[tuple[str, bool, str]]:
         no = "not supported by this server"
         return super()._limits() + [
-            ("logprobs", not self.logprobs, no),
-            ("top_logprobs", not self.top_logprobs, no),
+            ("top_logprobs", self.top_logprobs is None or bool(self.logprobs), "only allowed when logprobs is true"),
             ("tools", not self.tools, no),
         ]
 
@@ -220,6 +230,29 @@ def parse_request(cls: type[R], body: bytes) -> R:
 
 
 # ---- request -> router --------------------------------------------------------------------------
+def logit_bias_pairs(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias} as SamplingParams' (id, bias) pairs; RequestError naming a bad entry."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias: {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise RequestError(f"logit_bias: {key!r} is not a token id in 0..{vocab - 1}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise RequestError(f"logit_bias: the bias of {key} is {value}, not within -100..100", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def asked_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """SamplingParams.logprobs: top alternatives per token, None for no log probabilities."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
 def openai_to_generation(
     request: CompletionRequest | ChatCompletionRequest,
     front: FrontDoor,
@@ -254,6 +287,12 @@ def openai_to_generation(
         "top_p": request.top_p,
         "top_k": max(request.top_k, 0) if request.top_k is not None else None,
         "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logit_bias": logit_bias_pairs(request.logit_bias, len(front.tokenizer)),
+        "min_p": request.min_p,
+        "min_tokens": request.min_tokens,
+        "logprobs": asked_logprobs(request),
         "max_tokens": max_tokens,
         "stop": tuple(stop),
         "stop_token_ids": tuple(request.stop_token_ids or ()),
@@ -297,7 +336,7 @@ class CompletionChoice(BaseModel):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
     token_ids: list[int] | None = Field(default=None, **_IF_NONE)
 
@@ -327,7 +366,7 @@ class ChatChoice(BaseModel):
 
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
     token_ids: list[int] | None = Field(default=None, **_IF_NONE)
 
@@ -355,7 +394,7 @@ class ChunkChoice(BaseModel):
 
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
     token_ids: list[int] | None = Field(default=None, **_IF_NONE)
 

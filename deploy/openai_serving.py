@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.router import StreamTimeout
 from deploy.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error
+from deploy.logprobs_format import TokenText, chat_logprobs, completion_logprobs
 from deploy.openai_api import (
     AssistantMessage,
     ChatChoice,
@@ -60,7 +61,20 @@ async def serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], bo
         c.echo + await front.detokenize(detoks[c.index], list(r["token_ids"]), r["finish_reason"])
         for c, r in zip(plan.choices, results, strict=True)
     ]
-    return JSONResponse(_full_response(plan, front.model_name, texts, results).model_dump(mode="json"), headers=headers)
+    response = _full_response(plan, front.model_name, texts, results, token_text(front))
+    return JSONResponse(response.model_dump(mode="json"), headers=headers)
+
+
+def token_text(front: FrontDoor) -> TokenText:
+    """A token's own text for log probabilities (special tokens shown: they are what was emitted)."""
+    return lambda token: front.decode([token], skip_special_tokens=False)
+
+
+def logprobs_of(chat: bool, entries: list[dict[str, Any]] | None, text: TokenText, offset: int = 0) -> Any:
+    """A choice's (or a chunk's) `logprobs` in the endpoint's format; None when the request asked none."""
+    if entries is None:
+        return None
+    return chat_logprobs(entries, text) if chat else completion_logprobs(entries, text, offset)
 
 
 def detokenizer(front: FrontDoor, request: OpenAIRequest, sampling: dict[str, Any], eos: frozenset[int]) -> Detokenizer:
@@ -150,7 +164,7 @@ async def _merged(
 
 
 def _full_response(
-    plan: Plan, model: str, texts: list[str], results: list[dict[str, Any]]
+    plan: Plan, model: str, texts: list[str], results: list[dict[str, Any]], text_of: TokenText
 ) -> Completion | ChatCompletion:
     usage = summed_usage(plan.choices, [r.get("usage") or {} for r in results])
     pairs = list(zip(plan.choices, texts, results, strict=True))
@@ -164,6 +178,7 @@ def _full_response(
             ChatChoice(
                 index=c.index,
                 message=AssistantMessage(content=text),
+                logprobs=logprobs_of(True, r.get("logprobs"), text_of),
                 finish_reason=r["finish_reason"],
                 token_ids=token_ids(r),
             )
@@ -172,7 +187,13 @@ def _full_response(
         return ChatCompletion(id=rid, created=created, model=model, choices=chats, usage=usage)
     rid, created = new_id("cmpl")
     completions = [
-        CompletionChoice(index=c.index, text=text, finish_reason=r["finish_reason"], token_ids=token_ids(r))
+        CompletionChoice(
+            index=c.index,
+            text=text,
+            logprobs=logprobs_of(False, r.get("logprobs"), text_of, len(c.echo)),
+            finish_reason=r["finish_reason"],
+            token_ids=token_ids(r),
+        )
         for c, text, r in pairs
     ]
     return Completion(id=rid, created=created, model=model, choices=completions, usage=usage)
@@ -211,12 +232,19 @@ async def _events(
         cls = ChatCompletionChunk if chat else Completion
         return f"data: {cls(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()}\n\n"
 
-    def choice(index: int, text: str | None, ids: list[int], reason: str | None, role: bool = False) -> Any:
+    def choice(
+        index: int, text: str | None, ids: list[int], reason: str | None, role: bool = False, logprobs: Any = None
+    ) -> Any:
         token_ids = ids if request.return_token_ids else None
         if chat:
             delta = Delta(role="assistant" if role else None, content=text)
-            return ChunkChoice(index=index, delta=delta, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
-        return CompletionChoice(index=index, text=text or "", finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
+            return ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
+        return CompletionChoice(
+            index=index, text=text or "", logprobs=logprobs, finish_reason=reason, token_ids=token_ids
+        )  # type: ignore[arg-type]
+
+    text_of = token_text(front)
+    offsets = {c.index: len(c.echo) for c in plan.choices}  # completions' text_offset of each choice's next token
 
     usages: dict[int, dict[str, Any]] = {}
     try:
@@ -227,8 +255,11 @@ async def _events(
             async for c, chunk in chunks:
                 ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
                 text = await front.detokenize(detoks[c.index], ids, reason)
-                if text or reason is not None or (ids and request.return_token_ids):
-                    yield event([choice(c.index, text, ids, reason)])
+                logprobs = logprobs_of(chat, chunk.get("logprobs"), text_of, offsets[c.index])
+                if logprobs is not None and not chat:
+                    offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
+                if text or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
+                    yield event([choice(c.index, text, ids, reason, logprobs=logprobs)])
                 if reason is not None:
                     usages[c.index] = chunk.get("usage") or {}
         if include_usage:

@@ -32,8 +32,6 @@ _TEMPLATE = "not supported: the model's own chat template renders every conversa
 _NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not supported by this server"),
     "length_penalty": ((1,), "applies to beam search, which this server does not support"),
-    "min_p": ((0,), "not supported yet"),
-    "min_tokens": ((0,), "not supported yet"),
     "prompt_logprobs": ((), _NOT_SUPPORTED),
     "truncate_prompt_tokens": ((), "not supported: send a prompt that fits the context window"),
     "allowed_token_ids": ((), _NOT_SUPPORTED),

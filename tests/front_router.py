@@ -21,7 +21,7 @@ import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from actors.records import usage
+from actors.records import usage, with_logprobs
 from actors.router import Overloaded
 from deploy.frontdoor import FrontDoor, FrontDoorConfig
 from deploy.grpc_ingress import GrpcIngress
@@ -107,11 +107,14 @@ class FrontRouter:
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         tokens: list[int] = []
+        logprobs: list[dict[str, Any]] = []
         last: dict[str, Any] = {}
         async for chunk in self.generate_stream(prompt_token_ids, sampling):
             tokens += chunk["token_ids"]
+            logprobs += chunk.get("logprobs", [])
             last = chunk
-        return {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
+        out = {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
+        return out | ({"logprobs": logprobs} if "logprobs" in last else {})
 
     async def generate_stream(
         self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None
@@ -147,6 +150,7 @@ class FrontRouter:
             outputs = self.decoder.step()
             finished = {s.seq_id: s for s in self.decoder.finished}
             self.decoder.finished = []
+            running = finished | self.decoder.active
             for out in outputs:
                 queue = self._queues.get(out.seq_id)
                 if queue is None or (not out.new_tokens and out.finish_reason is None):
@@ -154,7 +158,7 @@ class FrontRouter:
                 chunk: dict[str, Any] = {"token_ids": out.new_tokens, "finish_reason": out.finish_reason}
                 if out.finish_reason is not None:
                     chunk["usage"] = usage(finished[out.seq_id])
-                queue.put_nowait(chunk)
+                queue.put_nowait(with_logprobs(chunk, running[out.seq_id], len(out.new_tokens)))
             await asyncio.sleep(0)  # let the streams run between steps
 
 

@@ -128,14 +128,14 @@ BAD = [
     ),
     case("guided-json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", "structured output"),
     case("beam-search", CMP, completion(use_beam_search=True), 400, "use_beam_search", "beam search"),
-    case("min-tokens", CMP, completion(min_tokens=3), 400, "min_tokens", "not supported"),
+    case("min-tokens", CMP, completion(min_tokens=30, max_tokens=3), 400, "min_tokens", "more than max_tokens"),
     case("empty-stop", CMP, completion(stop=["ok", ""]), 400, "stop", "empty"),
     case("stop-wrong-type", CMP, completion(stop=5), 400, "stop", "must be a string"),
     case(
         "stream-options-alone", CMP, completion(stream_options={"include_usage": True}), 400, "stream_options", "true"
     ),
-    case("presence-penalty", CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", "repetition_penalty"),
-    case("logprobs", CMP, completion(logprobs=2), 400, "logprobs", "not supported"),
+    case("presence-penalty", CHAT, chat(presence_penalty=2.5), 400, "presence_penalty", "less than or equal to 2"),
+    case("logprobs", CMP, completion(logprobs=21), 400, "logprobs", "less than or equal to 20"),
     case("bad-stream-request", CMP, completion(stream=True, top_p=7), 400, "top_p", "less than"),
     case("missing-api-key", CMP, completion(), 401, None, "API key", headers={"Authorization": ""}),
     case("wrong-api-key", CHAT, chat(), 401, None, "Incorrect API key", headers={"Authorization": "Bearer sk-no"}),
