@@ -23,6 +23,7 @@ from actors.wire import Drafted, DraftInfo, Stopwatch, WireProposal
 from speculative.drafters.base import Drafter, DraftRequest, empty_proposal
 from speculative.drafters.config import build_drafter
 from speculative.kv_budget import kv_budget_tokens, max_model_len
+from speculative.kv_cache import preallocated
 
 
 class DraftWorker:
@@ -46,7 +47,9 @@ class DraftWorker:
         mark_replica_up()
 
     def _new_drafter(self) -> Drafter | None:
-        return build_drafter(self.config.drafter, self.model, self.target_vocab)
+        window, budget = self.limits.max_model_len, self.limits.kv_budget_tokens
+        reserve = preallocated(budget, window) if window is not None and budget is not None else None
+        return build_drafter(self.config.drafter, self.model, self.target_vocab, reserve)
 
     async def propose(
         self, cache_key: str, requests: list[DraftRequest], release: list[str], lane: str | None = None

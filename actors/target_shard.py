@@ -26,6 +26,7 @@ from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.acceptance import Verdict
 from speculative.kv_budget import kv_budget_tokens, max_model_len
+from speculative.kv_cache import preallocated
 from speculative.loading import eos_ids_of
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
@@ -62,7 +63,8 @@ class TargetShard:
         )
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
         chunk = self.config.prefill_chunk_tokens
-        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model), chunk, eos), float("inf"))
+        reserve = preallocated(budget, max_model_len(config))
+        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model, reserve), chunk, eos), float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
         self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
         return self._info

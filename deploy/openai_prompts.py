@@ -8,15 +8,22 @@ is (deploy/prompts.py); only the chat template's own markers are control tokens.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 from transformers import PreTrainedTokenizerBase
 
 from deploy.frontdoor import RequestError
 from deploy.prompts import ControlTextRefused, PromptTokenizer
 
-if TYPE_CHECKING:
-    from deploy.openai_api import ChatMessage  # which imports this module
+
+class Message(Protocol):
+    """What rendering reads of a chat message (`openai_api.ChatMessage`)."""
+
+    @property
+    def role(self) -> str: ...
+
+    def text(self) -> str: ...
 
 
 def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -60,7 +67,7 @@ def chat_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: PreTrainedTok
 
 
 def chat_prompt_ids(
-    messages: list[ChatMessage],
+    messages: Sequence[Message],
     tokenizer: PreTrainedTokenizerBase,
     prompts: PromptTokenizer,
     add_generation_prompt: bool = True,

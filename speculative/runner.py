@@ -44,9 +44,10 @@ class _Speculative:
 class ModelRunner:
     """Batched prefill, decode and tree verification with commit/rollback, for any HF causal LM."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, reserve: tuple[int, int] | None = None) -> None:
         """Sets the model's attention to `packing.ATTENTION` (SDPA, packed-aware; other callers of the
-        model, e.g. `generate`, get plain SDPA through it)."""
+        model, e.g. `generate`, get plain SDPA through it). `reserve`: (rows, columns) the KV cache is
+        made with at the first forward (`kv_cache.preallocated`); None: it grows as needed."""
         model.set_attn_implementation(ATTENTION)
         self.model = model.eval()
         self._base = model.base_model  # the transformer stack, without the LM head
@@ -58,6 +59,8 @@ class ModelRunner:
         self.lens = np.zeros(0, dtype=np.int64)  # [B] committed tokens in cache
         self.cached: list[list[int]] = []  # committed token ids in cache, per row
         self.cache = SlotCache(model.config)
+        if reserve is not None:
+            self.cache.reserve(*reserve)
         self.spec = _Speculative.empty(0)
 
     # ---- rows -------------------------------------------------------------------------
@@ -81,6 +84,12 @@ class ModelRunner:
         self.lens = np.concatenate([self.lens, np.zeros(n, dtype=np.int64)])
         self.cached += [[] for _ in seq_ids]
         self.spec = _Speculative.empty(len(self.rows))
+
+    def reserve(self, columns: int) -> None:
+        """Room for every row to reach `columns` tokens (committed + speculative) without the cache
+        growing: a joining prompt's length, known at its first forward, costs one growth, not one
+        per doubling while its chunks are prefilled."""
+        self.cache.reserve(len(self.rows), bucketed(columns))
 
     def remove_rows(self, seq_ids: list[str]) -> None:
         """Drop sequences and their KV. Requires no pending speculation.

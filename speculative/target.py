@@ -78,6 +78,7 @@ class TargetVerifier:
         if new:
             self.runner.add_rows(new)
         rows = [self.runner.row(i.seq_id) for i in items]
+        self.runner.reserve(max(len(i.tokens) + i.proposal.tree.size for i in items))
         missing = self.runner.sync(rows, [list(i.tokens) for i in items])
         forward = self._inputs(items, rows, missing)
         logits = self.runner.forward(forward.tokens, forward.parents, forward.logits_at)  # [P, V], model's device

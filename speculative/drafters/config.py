@@ -58,7 +58,12 @@ class DrafterConfig(BaseModel):
         return self.sampled and self.kind in ("model", "hybrid")
 
 
-def build_drafter(config: DrafterConfig, draft_model: PreTrainedModel | None, target_vocab: int) -> Drafter | None:
+def build_drafter(
+    config: DrafterConfig,
+    draft_model: PreTrainedModel | None,
+    target_vocab: int,
+    reserve: tuple[int, int] | None = None,  # the draft KV cache's (rows, columns) at start (ModelRunner)
+) -> Drafter | None:
     if config.kind == "none":
         return None
     if config.kind == "lookup":
@@ -66,7 +71,7 @@ def build_drafter(config: DrafterConfig, draft_model: PreTrainedModel | None, ta
     if draft_model is None:
         raise ValueError(f"drafter kind {config.kind!r} needs a draft model")
     model = DraftModelDrafter(
-        ModelRunner(draft_model),
+        ModelRunner(draft_model, reserve),
         target_vocab,
         tree_width=config.tree_width,
         tree_nodes=config.tree_nodes,

@@ -75,6 +75,7 @@ class DraftModelDrafter:
         if new:
             self.runner.add_rows(new)
         rows = [self.runner.row(r.seq_id) for r in active]
+        self.runner.reserve(max(len(r.tokens) + self.max_nodes for r in active))
         missing = self._catch_up(rows, self.runner.sync(rows, [list(r.tokens) for r in active]))
         trees = [[_Node(r.tokens[-1], -1, 0, 0.0, column=len(m) - 1)] for r, m in zip(active, missing, strict=True)]
         # The first forward catches up; the root's next-token logits are at its last column.
