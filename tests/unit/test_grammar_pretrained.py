@@ -22,6 +22,7 @@ from speculative.runner import ModelRunner
 from speculative.sampling import GrammarSpec, SamplingParams
 from speculative.target import TargetVerifier
 from tests.fetched import fetched_dir
+from tests.tiny_models import noisy_copy
 
 pytestmark = pytest.mark.slow
 
@@ -49,13 +50,7 @@ def smollm() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def noisy_draft(smollm: LoadedModel) -> torch.nn.Module:
-    """SmolLM2 with noise on its weights: a draft that agrees often, not always."""
-    draft = load_model(str(fetched_dir("smollm2-135m")), "float32").model
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
-    return draft
+    return noisy_copy(smollm.model, noise=0.02)  # a draft that agrees often, not always
 
 
 def _prompt(model: LoadedModel, text: str) -> list[int]:
