@@ -8,9 +8,10 @@ a tree, node i's mask is what the grammar allows after the committed output plus
 on the path to node i: the path is consumed, the mask computed, the path rolled back.
 
 Where the grammar is complete (accepting), the sequence's end tokens are allowed too, and where it
-cannot go on they are all that is allowed, so a constrained sequence ends on EOS. A path the
-grammar rejects is unreachable (its parent's mask gives its last token probability 0, so no rule
-accepts it): its row allows every token, only so that its distribution stays defined.
+cannot go on they are all that is allowed, so a constrained sequence ends on EOS. A path (or
+committed output) the grammar rejects is unreachable: the mask before its last token gave that
+token probability 0, so no acceptance rule takes it. Its rows allow every token, only so that
+their distributions stay defined.
 
 The masks enter `processing.processed` as one more logits processor (-inf where disallowed), on
 the target's logits and on the draft's alike: see docs/design.md, "Acceptance rules".
@@ -166,9 +167,7 @@ class GrammarCompiler:
         allowed = torch.ones(len(paths), vocab, dtype=torch.bool)
         with self._lock:
             matcher = state.matcher
-            if matcher.is_error():  # committed tokens the grammar rejects: only ending is left
-                allowed[:] = False
-                allowed[:, ends] = True
+            if matcher.is_error():  # committed tokens the grammar rejects: unreachable, as a rejected path
                 return allowed
             for row, path in enumerate(paths):
                 taken = matcher.try_consume_tokens(path) if path else 0
