@@ -48,6 +48,8 @@ class StructuredOutputs(BaseModel):
     regex: str | None = Field(default=None, description="A regular expression the output matches.")
     choice: list[str] | None = Field(default=None, min_length=1, description="The output is one of these.")
     json_object: bool | None = Field(default=None, description="Any JSON object.")
+    grammar: str | None = Field(default=None, description="Refused: EBNF grammars are not supported.")
+    structural_tag: Any = Field(default=None, description="Refused: structural tags are not supported.")
 
 
 def _schema_spec(schema: dict[str, Any] | str | None, param: str) -> GrammarSpec:
@@ -76,6 +78,10 @@ def _from_response_format(fmt: ResponseFormat) -> GrammarSpec | None:
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
+    for name in ("grammar", "structural_tag"):
+        if getattr(so, name) is not None:
+            param = f"structured_outputs.{name}"
+            raise RequestError(f"{param}: not supported by this server", param=param)
     asked = [k for k in ("json_", "regex", "choice", "json_object") if getattr(so, k) not in (None, False)]
     if len(asked) > 1:
         raise RequestError("structured_outputs: at most one constraint", param="structured_outputs")

@@ -77,6 +77,10 @@ def test_completions_take_response_format_and_guided_fields(client: openai.OpenA
     assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", regex.choices[0].text), regex.choices[0].text
     choice = client.completions.create(**fields, max_tokens=10, extra_body={"guided_choice": ["purr", "hiss"]})
     assert choice.choices[0].text in ("purr", "hiss")
+    vllm = client.completions.create(
+        **fields, max_tokens=10, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
+    assert vllm.choices[0].text in ("yes", "no")
     schema = client.completions.create(**fields, max_tokens=60, extra_body={"guided_json": SCHEMA})
     jsonschema.validate(json.loads(schema.choices[0].text), SCHEMA)
 
