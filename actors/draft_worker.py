@@ -15,7 +15,7 @@ from typing import Any
 
 from actors.config import DraftWorkerConfig
 from actors.groups import GroupCaches
-from actors.loading import Resolver, identity, load_lm, vocab_size_of
+from actors.loading import Resolver, identity, load_grammars, load_lm, vocab_size_of
 from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
@@ -34,6 +34,7 @@ class DraftWorker:
             os.nice(config.nice)
         self.model = load_lm(config.model, resolve) if config.model is not None else None
         self.target_vocab = vocab_size_of(config.target_model, resolve)
+        self.grammars = load_grammars(config.model.path, resolve) if config.model is not None else None
         self.limits = DraftInfo(None, None)  # a drafter without a model holds no KV
         if self.model is not None:
             m = self.model
@@ -49,7 +50,7 @@ class DraftWorker:
     def _new_drafter(self) -> Drafter | None:
         window, budget = self.limits.max_model_len, self.limits.kv_budget_tokens
         reserve = preallocated(budget, window) if window is not None and budget is not None else None
-        return build_drafter(self.config.drafter, self.model, self.target_vocab, reserve)
+        return build_drafter(self.config.drafter, self.model, self.target_vocab, self.grammars, reserve)
 
     async def propose(
         self, cache_key: str, requests: list[DraftRequest], release: list[str], lane: str | None = None

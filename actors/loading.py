@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from actors.config import ModelConfig
+from speculative.grammar import GrammarCompiler
 from speculative.loading import DTYPES
 
 Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (deploy.models.resolve)
@@ -45,3 +46,9 @@ def load_decoder(path: str, resolve: Resolver = identity) -> Callable[[list[int]
         return str(tokenizer.decode(ids))
 
     return decode
+
+
+def load_grammars(path: str, resolve: Resolver = identity) -> GrammarCompiler:
+    """The grammar compiler of the model's tokenizer (structured output), loaded at the first grammar:
+    a folder without a tokenizer fails the requests that carry one, and only those."""
+    return GrammarCompiler.lazy(lambda: AutoTokenizer.from_pretrained(resolve(path)))

@@ -21,7 +21,7 @@ import ray
 from actors import tp
 from actors.config import TargetConfig
 from actors.groups import GroupCaches
-from actors.loading import Resolver, identity, load_lm
+from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.acceptance import Verdict
@@ -64,7 +64,10 @@ class TargetShard:
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
         chunk = self.config.prefill_chunk_tokens
         reserve = preallocated(budget, max_model_len(config))
-        self._verifiers = GroupCaches(lambda: TargetVerifier(ModelRunner(model, reserve), chunk, eos), float("inf"))
+        grammars = load_grammars(self.config.model.path, self._resolve)  # shared by the groups: soft state by seq id
+        self._verifiers = GroupCaches(
+            lambda: TargetVerifier(ModelRunner(model, reserve), chunk, eos, grammars), float("inf")
+        )
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
         self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
         return self._info

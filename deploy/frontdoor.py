@@ -104,7 +104,7 @@ class FrontDoorConfig(BaseModel):
         "vLLM does): the request is served, the fields are logged at warning level and named in the response's "
         "`x-specserve-ignored-fields` header; clients and SDKs written for OpenAI or vLLM send fields a server "
         "does not know (`store`, `metadata`, `service_tier`, newer SDK fields), and refusing them makes a drop-in "
-        "server fail. vLLM extensions that would change the output if ignored (`guided_json`, `use_beam_search`, "
+        "server fail. vLLM extensions that would change the output if ignored (`guided_grammar`, `use_beam_search`, "
         "`truncate_prompt_tokens`...) are refused all the same. `reject`: any unknown field is a 400 naming it, as "
         "OpenAI answers. Known fields are validated strictly either way (docs/openai.md).",
     )

@@ -12,6 +12,7 @@ from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.grammar import GrammarCompiler
 from speculative.loading import LoadedModel, load_model
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
@@ -36,9 +37,11 @@ class LocalModels:
         target_runner = ModelRunner(self.target.model)
         draft_model = self.draft.model if self.draft is not None else None
         tokenizer = self.tokenizer
+        draft_tokenizer = self.draft.tokenizer if self.draft is not None else None
+        draft_grammars = GrammarCompiler.lazy(lambda: draft_tokenizer) if draft_tokenizer is not None else None
         return SpeculativeDecoder(
-            TargetVerifier(target_runner),
-            build_drafter(drafter, draft_model, target_runner.vocab_size),
+            TargetVerifier(target_runner, grammars=GrammarCompiler.lazy(lambda: tokenizer)),
+            build_drafter(drafter, draft_model, target_runner.vocab_size, draft_grammars),
             depth,
             eos_ids=self.target.eos_ids,
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),

@@ -3,12 +3,13 @@
 Requests are validated as OpenAI validates them: strict JSON types (`"temperature": "1"` is an
 error), values in OpenAI's ranges. Fields the models do not declare are kept aside (`model_extra`)
 and ignored or refused as the deployment says (`front_door.unknown_fields`, deploy/unknown_fields.py).
-Fields OpenAI defines that this server cannot honour (tools, structured output) are accepted at
-their neutral value and refused otherwise, naming the field. `logprobs` / `top_logprobs` are the
-target's raw log probabilities (before temperature and penalties, vLLM's default). Extensions, as
-vLLM spells them: `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`chat_template_kwargs`; and specserve's own
+Fields OpenAI defines that this server cannot honour (tools) are accepted at their neutral value
+and refused otherwise, naming the field. Structured output (`response_format`, vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `structured_outputs`) is deploy/structured_output.py's.
+`logprobs` / `top_logprobs` are the target's raw log probabilities (before temperature and
+penalties, vLLM's default). Extensions, as vLLM spells them: `top_k`, `min_p`, `min_tokens`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `chat_template_kwargs`; and specserve's own
 `max_draft_tokens` (0 turns speculation off for the request: same tokens, plain decoding; for A/B
 runs on one deployment, or latency-critical requests).
 
@@ -43,6 +44,7 @@ from deploy.openai_prompts import (
     completion_prompt_ids,
     completion_prompt_param,
 )
+from deploy.structured_output import ResponseFormat, StructuredOutputs, request_grammar
 
 # extra="allow": unknown fields land in `model_extra`, for deploy/unknown_fields.py to ignore or refuse
 _REQUEST = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
@@ -125,6 +127,16 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool | None = Field(
         default=None, description="Leave special tokens out of the text (default true); the token ids keep them."
     )
+    # structured output (deploy/structured_output.py): OpenAI's response_format, vLLM's guided fields
+    response_format: ResponseFormat | None = Field(
+        default=None, description="{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}."
+    )
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="A JSON schema the output follows.")
+    guided_regex: str | None = Field(default=None, description="A regular expression the output matches.")
+    guided_choice: list[str] | None = Field(default=None, description="The output is one of these strings.")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM's: one of json, regex, choice, json_object."
+    )
     # specserve's own
     max_draft_tokens: int | None = Field(
         default=None, ge=0, le=64, description="Most draft tokens per step; 0: no speculation for this request."
@@ -187,12 +199,6 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = _REQUEST
-
-    type: Literal["text"] = Field(description="Only plain text is supported.")
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -203,7 +209,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many most likely tokens at each."
     )
-    response_format: ResponseFormat | None = Field(default=None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(default=None, description="Only an empty list is supported.")
     tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none' is supported.")
     chat_template_kwargs: dict[str, Any] | None = Field(
@@ -299,6 +304,7 @@ def openai_to_generation(
         "ignore_eos": request.ignore_eos,
         "max_draft_tokens": request.max_draft_tokens,
         "seed": request.seed if request.seed is not None else seed,
+        "grammar": request_grammar(request)[0],
     }
     return prompt, sampling_params(fields)
 

@@ -25,7 +25,7 @@ IGNORED_HEADER = "x-specserve-ignored-fields"
 _HEADER_CHARS = 1024  # a request may hold thousands of unknown fields: the header names the first ones
 
 _NOT_SUPPORTED = "not supported by this server"
-_GRAMMAR = "structured output is not supported by this server"
+_GRAMMAR = "not supported: structured output is response_format, guided_json, guided_regex, guided_choice"
 _TEMPLATE = "not supported: the model's own chat template renders every conversation"
 # vLLM's (and OpenAI's older) request fields this server does not implement: the values that ask
 # nothing of it beyond null (empty lists and maps included), and why another value is refused.
@@ -38,13 +38,8 @@ _NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((), _NOT_SUPPORTED),
     "logits_processors": ((), _NOT_SUPPORTED),
     "prompt_embeds": ((), "not supported: send text or token ids"),
-    "guided_json": ((), _GRAMMAR),
-    "guided_regex": ((), _GRAMMAR),
-    "guided_choice": ((), _GRAMMAR),
     "guided_grammar": ((), _GRAMMAR),
     "structural_tag": ((), _GRAMMAR),
-    "structured_outputs": ((), _GRAMMAR),
-    "response_format": (({"type": "text"},), _GRAMMAR),  # declared by chat; /v1/completions in vLLM
     "functions": ((), "tools are not supported by this server"),
     "function_call": (("none",), "tools are not supported by this server"),
     "audio": ((), "audio output is not supported by this server"),

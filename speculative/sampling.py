@@ -2,16 +2,43 @@
 
 The same functions run on the draft's logits and on the target's, so `p` and `q` at a tree node
 are always transformed identically, which the acceptance rules require. Order, as in vLLM: the
-request's logits processors (`processing.py`: min_tokens, logit_bias, penalties), temperature,
+request's logits processors (`processing.py`: min_tokens, logit_bias, penalties, grammar mask), temperature,
 min-p, top-k, top-p.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class GrammarSpec(BaseModel):
+    """A constraint on the output (structured output): what `speculative/grammar.py` compiles."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema", "regex", "lark"] = Field(
+        description="json_object: any JSON object; json_schema: JSON valid under `text`; regex / lark: "
+        "output matching the regular expression / Lark grammar `text`."
+    )
+    text: str = Field("", max_length=1_000_000, description="The schema (JSON), regex or Lark grammar.")
+
+    @model_validator(mode="after")
+    def _text_fits_kind(self) -> GrammarSpec:
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except ValueError as e:
+                raise ValueError(f"grammar: the schema is not JSON ({e})") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("grammar: a JSON schema is an object or a boolean")
+        elif self.kind in ("regex", "lark") and not self.text:
+            raise ValueError(f"grammar: a {self.kind} grammar needs its text")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -54,6 +81,9 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end the sequence (cut from text).")
     ignore_eos: bool = Field(False, description="Keep generating past the model's end-of-sequence token.")
     seed: int = Field(0, ge=0, lt=2**63, description="Keys the counter-based generator of this request.")
+    grammar: GrammarSpec | None = Field(
+        None, description="Constrain the output to this grammar (masks every node's distribution)."
+    )
     max_draft_tokens: int | None = Field(
         None,
         ge=0,

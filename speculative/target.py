@@ -22,9 +22,10 @@ import torch
 
 from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
+from speculative.grammar import GrammarCompiler
 from speculative.logprobs import token_logprobs
 from speculative.packing import row_offsets
-from speculative.processing import NodeContext
+from speculative.processing import node_context
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import SamplingParams
 from speculative.verify import argmax_decides, verify_tree
@@ -54,15 +55,21 @@ class TargetVerifier:
     """Verification of many sequences' trees against one target model."""
 
     def __init__(
-        self, runner: ModelRunner, prefill_chunk: int | None = None, eos_ids: frozenset[int] = frozenset()
+        self,
+        runner: ModelRunner,
+        prefill_chunk: int | None = None,
+        eos_ids: frozenset[int] = frozenset(),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit). `eos_ids`:
-        the model's end tokens, banned with the stop ids before a request's `min_tokens`."""
+        the model's end tokens, banned with the stop ids before a request's `min_tokens`. `grammars`:
+        the target tokenizer's grammar compiler (structured output); None refuses requests with one."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.runner = runner
         self.prefill_chunk = prefill_chunk
         self.eos_ids = eos_ids
+        self.grammars = grammars
 
     @property
     def vocab_size(self) -> int:
@@ -140,7 +147,8 @@ class TargetVerifier:
             if a:
                 verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
             else:
-                context = NodeContext(item.tokens, item.prompt_len, self.eos_ids)
+                seq = (item.seq_id, item.tokens, item.prompt_len)
+                context = node_context(*seq, item.params, self.eos_ids, self.grammars)
                 verdict = verify_tree(item.proposal, host[row], context, item.params)
             if item.params.logprobs is not None:
                 emitting = torch.tensor([starts[row] + node for node in verdict.path], device=logits.device)
@@ -151,6 +159,8 @@ class TargetVerifier:
         return verdicts, keep
 
     def release(self, seq_ids: list[str]) -> None:
+        if self.grammars is not None:
+            self.grammars.release(seq_ids)
         known = [s for s in seq_ids if s in self.runner.rows]
         if known:
             self.runner.remove_rows(known)

@@ -29,6 +29,7 @@ from deploy.http_ingress import OpenAIIngress
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.grammar import GrammarCompiler
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
@@ -90,9 +91,12 @@ class FrontRouter:
         eos_ids: frozenset[int],
         decode: Callable[[list[int]], str],
         max_active: int = 8,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
-        drafter = build_drafter(DrafterConfig(kind="model"), draft, VOCAB)
-        verifier = TargetVerifier(ModelRunner(target))
+        """`grammars`: the tokenizer's grammar compiler, for requests with structured output (target and draft)."""
+        self.vocab = int(target.config.vocab_size)
+        drafter = build_drafter(DrafterConfig(kind="model"), draft, self.vocab, grammars)
+        verifier = TargetVerifier(ModelRunner(target), grammars=grammars)
         self.decoder = SpeculativeDecoder(verifier, drafter, DepthConfig(), eos_ids, decode)
         self.eos_ids = eos_ids
         self.max_active = max_active
@@ -100,7 +104,7 @@ class FrontRouter:
         self._driver: asyncio.Task[None] | None = None
 
     async def info(self) -> dict[str, Any]:
-        return {"vocab_size": VOCAB, "eos_ids": sorted(self.eos_ids), "model": MODEL_NAME}
+        return {"vocab_size": self.vocab, "eos_ids": sorted(self.eos_ids), "model": MODEL_NAME}
 
     async def ready(self) -> None:
         await self.info()  # the target is in this process: ready when it answers
@@ -120,8 +124,8 @@ class FrontRouter:
         self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         params = SamplingParams.model_validate(sampling or {})
-        if not prompt_token_ids or any(not 0 <= t < VOCAB for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids: must be a non-empty list of token ids in 0..{VOCAB - 1}")
+        if not prompt_token_ids or any(not 0 <= t < self.vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids: must be a non-empty list of token ids in 0..{self.vocab - 1}")
         if len(self._queues) >= self.max_active:
             raise Overloaded(f"{len(self._queues)} sequences active (max_active_sequences)")
         seq_id = self.decoder.add(list(prompt_token_ids), params)

@@ -11,6 +11,7 @@ from speculative.drafters.base import Drafter
 from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.model import DraftModelDrafter
+from speculative.grammar import GrammarCompiler
 from speculative.loading import eos_ids_of
 from speculative.runner import ModelRunner
 
@@ -62,8 +63,10 @@ def build_drafter(
     config: DrafterConfig,
     draft_model: PreTrainedModel | None,
     target_vocab: int,
+    grammars: GrammarCompiler | None = None,
     reserve: tuple[int, int] | None = None,  # the draft KV cache's (rows, columns) at start (ModelRunner)
 ) -> Drafter | None:
+    """`grammars`: the draft tokenizer's grammar compiler, masking the draft model's q (None: unmasked)."""
     if config.kind == "none":
         return None
     if config.kind == "lookup":
@@ -77,6 +80,7 @@ def build_drafter(
         tree_nodes=config.tree_nodes,
         sampled=config.sampled,
         eos_ids=eos_ids_of(draft_model),
+        grammars=grammars,
     )
     if config.kind == "hybrid":
         # 1-gram matches are too weak to displace the model: hybrid matches 2-grams at least.

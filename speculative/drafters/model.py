@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
+from speculative.grammar import GrammarCompiler
 from speculative.packing import row_offsets
-from speculative.processing import NodeContext, processed, processes
+from speculative.processing import node_context, processed, processes
 from speculative.rng import Stream, sample, uniform
 from speculative.runner import ModelRunner, chain_parents
 from speculative.sampling import probs_from_logits
@@ -44,10 +45,12 @@ class DraftModelDrafter:
         sampled: bool = True,
         catch_up_chunk: int = 512,
         eos_ids: frozenset[int] = frozenset(),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`catch_up_chunk`: most tokens a row catches up on per forward (a long prompt takes several, so
         no forward holds attention over more than that many new tokens). `eos_ids`: end tokens, banned
-        before a request's `min_tokens` as the target bans them."""
+        before a request's `min_tokens` as the target bans them. `grammars`: the draft tokenizer's grammar
+        compiler, masking q as the target's grammar masks p (better acceptance); None drafts unmasked."""
         if tree_width < 1 or tree_nodes < 1:
             raise ValueError("tree_width and tree_nodes must be >= 1")
         self.runner = runner
@@ -58,8 +61,11 @@ class DraftModelDrafter:
         self.sampled = sampled  # under sampling: children drawn from q (rejection rule), not top-k
         self.catch_up_chunk = catch_up_chunk
         self.eos_ids = eos_ids
+        self.grammars = grammars
 
     def release(self, seq_ids: list[str]) -> None:
+        if self.grammars is not None:
+            self.grammars.release(seq_ids)
         known = [s for s in seq_ids if s in self.runner.rows]
         if known:
             self.runner.remove_rows(known)
@@ -112,8 +118,12 @@ class DraftModelDrafter:
         """Add the children of node `idx`; logits: [V_draft] next-token logits at that node."""
         path = self._path_tokens(nodes, idx)
         scores = logits[None, : self.vocab]  # [1, V]
-        if processes(req.params):  # the target's processors, on this node's context
-            scores = processed(scores, NodeContext(req.tokens, req.prompt_len, self.eos_ids), [path], req.params)
+        params = req.params
+        if params.grammar is not None and self.grammars is None:  # no compiler here: q unmasked, p still is
+            params = params.model_copy(update={"grammar": None})
+        if processes(params):  # the target's processors, on this node's context
+            context = node_context(req.seq_id, req.tokens, req.prompt_len, params, self.eos_ids, self.grammars)
+            scores = processed(scores, context, [path], params)
         q = probs_from_logits(scores, req.params)[0]  # [V]
         nodes[idx].probs = q
         for tok in self._children(req, q, scores[0], depth, idx):

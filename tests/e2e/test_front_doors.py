@@ -137,7 +137,7 @@ def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
         (b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": "many"}', "max_tokens"),
         (b'{"model": "tiny-llama", "prompt": ""}', "prompt"),
         (b'{"model": "tiny-llama", "prompt": "hi", "n": 17}', "n"),
-        (b'{"model": "tiny-llama", "prompt": "hi", "bogus": 1, "guided_regex": "a+"}', "guided_regex"),
+        (b'{"model": "tiny-llama", "prompt": "hi", "bogus": 1, "guided_grammar": "a+"}', "guided_grammar"),
     ],
 )
 def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: bytes, field: str | None) -> None:

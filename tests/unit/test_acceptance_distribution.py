@@ -9,7 +9,9 @@ verifier's keyed uniforms (Stream.TARGET, base position = tokens so far), and if
 a single token, draft and verify again from the new context. Over N = 100,000 seeds the first
 token must be distributed as the target's own p1 and the pair as p1(x1) * p2(x2 | x1), both after
 the request's penalty, temperature, top-k and top-p (chi-square). Deliberately broken rules must
-fail the same test.
+fail the same test. One setting constrains the output with a grammar (structured output): a regex
+compiled by llguidance over a toy tokenizer of the V tokens, whose mask depends on the path to each
+node, through the same `processed` hook and `GrammarCompiler` the server uses.
 
 Speed: p and q are computed once per setting for every context a trial can reach (a table over
 the suffixes of up to 3 tokens after the prompt, through the production transforms; checked
@@ -37,16 +39,17 @@ from speculative.acceptance import Draw, Verdict, accept_by_rejection, accept_by
 from speculative.drafters.base import Proposal
 from speculative.processing import NodeContext, processed
 from speculative.rng import Stream, sample, uniform
-from speculative.sampling import SamplingParams, probs_from_logits
+from speculative.sampling import GrammarSpec, SamplingParams, probs_from_logits
 from speculative.tree import TokenTree
 from speculative.verify import verify_tree
+from tests.toy_grammar import TOY_END, toy_grammars
 
 V = 7
 PROMPT = (0, 3, 3, 5)  # committed tokens, the root last; the repetition penalty sees 0, 3 and 5
 N_TRIALS = 100_000
 N_REPLAYED = 300  # trials per case also verified through verify_tree (must give the same verdict)
 # Under an exact rule each p-value is uniform on [0, 1], so one assertion fails falsely with
-# probability 1e-4 and the 48 of this file together with probability < 0.5%. Seeds are fixed, so
+# probability 1e-4 and the 80 of this file together with probability < 1%. Seeds are fixed, so
 # the outcome is deterministic: a failure is a change in behaviour, not bad luck on this run.
 ALPHA = 1e-4
 POWER_ALPHA = 1e-6  # a broken rule must be rejected at least this strongly
@@ -62,7 +65,20 @@ SETTINGS = {
     "presence-frequency": SamplingParams(presence_penalty=0.8, frequency_penalty=0.5),
     "bias-minp": SamplingParams(logit_bias=((1, 2.0), (4, -3.0)), min_p=0.1),
     "min-tokens": SamplingParams(min_tokens=1, stop_token_ids=(3,)),  # token 3 banned as the first token only
+    # Structured output: the toy tokens spell "a", "b", "c", "ab", "ba", "bc" and an end token, and the
+    # output must match (a|bc|cb|ba)+c?. At the root every token but the end is allowed; after "b" or
+    # "ab" only "a", "c", "ab"; after "c" only "b", "ba", "bc"; after "a", "ba", "bc" every token.
+    "grammar": SamplingParams(grammar=GrammarSpec(kind="regex", text="(a|bc|cb|ba)+c?")),
 }
+
+
+def _context(setting: str, tokens: tuple[int, ...] | list[int]) -> NodeContext:
+    """The NodeContext production builds for PROMPT + output (with the grammar's node masks)."""
+    grammar = SETTINGS[setting].grammar
+    if grammar is None:
+        return NodeContext(tokens, len(PROMPT))
+    mask = toy_grammars().path_mask("toy", tokens[len(PROMPT) :], grammar, frozenset({TOY_END}))
+    return NodeContext(tokens, len(PROMPT), mask=mask)
 
 
 def _logit_tables() -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +121,8 @@ def _tables(setting: str) -> Tables:
     params = SETTINGS[setting]
     last = _last_tokens()
     paths = [list(s) for s in SUFFIXES]  # every suffix is output: the prompt is PROMPT
-    target = processed(TARGET_LOGITS[last], NodeContext(PROMPT, len(PROMPT)), paths, params)
-    draft = processed(DRAFT_LOGITS[last], NodeContext(PROMPT, len(PROMPT)), paths, params)
+    target = processed(TARGET_LOGITS[last], _context(setting, PROMPT), paths, params)
+    draft = processed(DRAFT_LOGITS[last], _context(setting, PROMPT), paths, params)
     p = probs_from_logits(target, params).double()  # [R, V]
     q = torch.cat([probs_from_logits(draft, params), torch.zeros(1, V)]).double()  # [R+1, V]
     return Tables(list(p), list(q), q.tolist(), (q > 0).sum(-1).tolist(), draft)
@@ -298,7 +314,7 @@ def _step(case: Case, setting: str, seed: int, emitted: tuple[int, ...], replay:
         logits = TARGET_LOGITS[[_last_tokens()[r] for r in draft.rows]]  # [n+1, V]
         params = SETTINGS[setting].model_copy(update={"seed": seed})
         proposal = Proposal(tree, None if q is None else q.float())
-        assert verify_tree(proposal, logits, NodeContext([*PROMPT, *emitted], len(PROMPT)), params) == verdict
+        assert verify_tree(proposal, logits, _context(setting, [*PROMPT, *emitted]), params) == verdict
     return verdict
 
 
@@ -425,7 +441,7 @@ def test_tables_equal_the_per_node_production_transforms() -> None:
         for emitted, path in [((), ()), ((), (4,)), ((4,), ()), ((4,), (4, 2)), ((1, 6), (3,))]:
             suffix = (*emitted, *path)
             last = [suffix[-1] if suffix else PROMPT[-1]]
-            context = NodeContext([*PROMPT, *emitted], len(PROMPT))
+            context = _context(setting, [*PROMPT, *emitted])
             for logits, table in ((DRAFT_LOGITS, t.q), (TARGET_LOGITS, t.p)):
                 row = processed(logits[last], context, [list(path)], params)  # [1, V]
                 assert torch.equal(probs_from_logits(row, params)[0].double(), table[SUFFIX_ROW[suffix]])
