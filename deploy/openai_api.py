@@ -47,8 +47,8 @@ from deploy.openai_prompts import (
 from deploy.structured_output import ResponseFormat, StructuredOutputs, request_grammar
 
 # extra="allow": unknown fields land in `model_extra`, for deploy/unknown_fields.py to ignore or refuse
-_REQUEST = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
-_RESPONSE = ConfigDict(extra="forbid")
+REQUEST_MODEL = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
+RESPONSE_MODEL = ConfigDict(extra="forbid")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
 # Each choice is a sequence of its own in the router: a request's choices are bounded as its size is.
 MAX_N = 16  # choices per prompt
@@ -81,7 +81,7 @@ Stop = Annotated[
 
 
 class StreamOptions(BaseModel):
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     include_usage: bool = Field(default=False, description="Send a last chunk with usage and no choices.")
 
@@ -89,7 +89,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     model: str = Field(description="The served model's name (GET /v1/models).")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 is greedy; default 1.")
@@ -179,7 +179,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str
@@ -189,7 +189,7 @@ Content = Annotated[str | list[TextPart], _one_of("a string or a list of text pa
 
 
 class ChatMessage(BaseModel):
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     role: Literal["system", "developer", "user", "assistant"] = Field(description="Tools are not supported.")
     content: Content
@@ -311,11 +311,11 @@ def openai_to_generation(
 
 # ---- responses -----------------------------------------------------------------------------------
 FinishReason = Literal["stop", "length"] | None
-_IF_NONE: dict[str, Any] = {"exclude_if": lambda v: v is None}
+IF_NONE: dict[str, Any] = {"exclude_if": lambda v: v is None}
 
 
 class Usage(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     prompt_tokens: int
     completion_tokens: int
@@ -338,47 +338,47 @@ class Usage(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     index: int = 0
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
-    token_ids: list[int] | None = Field(default=None, **_IF_NONE)
+    token_ids: list[int] | None = Field(default=None, **IF_NONE)
 
 
 class Completion(BaseModel):
     """A /v1/completions response, and (with `usage` only on the last) its stream chunks."""
 
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = Field(default=None, **_IF_NONE)
+    usage: Usage | None = Field(default=None, **IF_NONE)
 
 
 class AssistantMessage(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatChoice(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     index: int = 0
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
-    token_ids: list[int] | None = Field(default=None, **_IF_NONE)
+    token_ids: list[int] | None = Field(default=None, **IF_NONE)
 
 
 class ChatCompletion(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -389,35 +389,35 @@ class ChatCompletion(BaseModel):
 
 
 class Delta(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
-    role: Literal["assistant"] | None = Field(default=None, **_IF_NONE)
-    content: str | None = Field(default=None, **_IF_NONE)
+    role: Literal["assistant"] | None = Field(default=None, **IF_NONE)
+    content: str | None = Field(default=None, **IF_NONE)
 
 
 class ChunkChoice(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     index: int = 0
     delta: Delta
     logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
-    token_ids: list[int] | None = Field(default=None, **_IF_NONE)
+    token_ids: list[int] | None = Field(default=None, **IF_NONE)
 
 
 class ChatCompletionChunk(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = Field(default=None, **_IF_NONE)
+    usage: Usage | None = Field(default=None, **IF_NONE)
 
 
 class ErrorInfo(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     message: str
     type: str
@@ -428,7 +428,7 @@ class ErrorInfo(BaseModel):
 class ErrorBody(BaseModel):
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
 
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     error: ErrorInfo
 
@@ -438,7 +438,7 @@ class ErrorBody(BaseModel):
 
 
 class ModelCard(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     id: str
     object: Literal["model"] = "model"
@@ -451,7 +451,7 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     object: Literal["list"] = "list"
     data: list[ModelCard]

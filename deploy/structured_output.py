@@ -20,11 +20,11 @@ from deploy.frontdoor import RequestError
 from speculative.grammar import grammar_error
 from speculative.sampling import GrammarSpec
 
-_REQUEST = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
+REQUEST_MODEL = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     name: str = Field(max_length=64, description="The schema's name; accepted, not shown to the model.")
     description: str | None = Field(default=None, description="Accepted, not shown to the model.")
@@ -33,7 +33,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     type: Literal["text", "json_object", "json_schema"] = Field(description="text: no constraint.")
     json_schema: JsonSchemaFormat | None = Field(default=None, description="With type json_schema.")
@@ -42,7 +42,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: one of its constraints."""
 
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="A JSON schema.")
     regex: str | None = Field(default=None, description="A regular expression the output matches.")

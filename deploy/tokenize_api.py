@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from deploy.frontdoor import FrontDoor, RequestError, from_validation_error
-from deploy.openai_api import _IF_NONE, _REQUEST, _RESPONSE, ChatMessage, TokenId
+from deploy.openai_api import IF_NONE, REQUEST_MODEL, RESPONSE_MODEL, ChatMessage, TokenId
 from deploy.openai_prompts import chat_prompt_ids, chat_template_kwargs
 from deploy.unknown_fields import ignored_fields
 
@@ -28,7 +28,7 @@ M = TypeVar("M", "TokenizeRequest", "DetokenizeRequest")
 class TokenizeRequest(BaseModel):
     """POST /tokenize: `prompt` (text) or `messages` (a conversation), as vLLM's two request shapes."""
 
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     model: str | None = Field(default=None, description="The served model's name; may be left out.")
     prompt: str | None = Field(default=None, description="Text, tokenized as a /v1/completions prompt.")
@@ -46,25 +46,25 @@ class TokenizeRequest(BaseModel):
 
 
 class TokenizeResponse(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     count: int
     max_model_len: int = Field(description="The context window the deployment serves, as /v1/models says.")
     tokens: list[int]
-    token_strs: list[str] | None = Field(default=None, **_IF_NONE)
+    token_strs: list[str] | None = Field(default=None, **IF_NONE)
 
 
 class DetokenizeRequest(BaseModel):
     """POST /detokenize."""
 
-    model_config = _REQUEST
+    model_config = REQUEST_MODEL
 
     model: str | None = Field(default=None, description="The served model's name; may be left out.")
     tokens: list[TokenId] = Field(description="Token ids of the served model's tokenizer.")
 
 
 class DetokenizeResponse(BaseModel):
-    model_config = _RESPONSE
+    model_config = RESPONSE_MODEL
 
     prompt: str
 
