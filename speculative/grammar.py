@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculative.processing import PathMask
 from speculative.sampling import GrammarSpec
 
 # JSON as vLLM's llguidance backend compiles it, with whitespace between tokens bounded: an
@@ -130,7 +129,7 @@ class GrammarCompiler:
 
     def path_mask(
         self, seq_id: str, output: Sequence[int], spec: GrammarSpec, end_ids: frozenset[int] = frozenset()
-    ) -> PathMask:
+    ) -> Callable[[list[list[int]], int], torch.Tensor]:  # processing.PathMask
         """Node masks for one sequence whose committed output is `output` (the tree's root last).
         `end_ids`: the sequence's end tokens, allowed wherever the grammar is complete."""
         with self._lock:
