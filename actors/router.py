@@ -21,7 +21,7 @@ import itertools
 import logging
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from actors.admission import ContextWindow
@@ -46,6 +46,19 @@ class Overloaded(RuntimeError):
 
 class StreamTimeout(RuntimeError):
     """The request ran past `max_stream_s`: ended with this error (the bound on a router replica's drain)."""
+
+
+async def collected(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    """A `generate_stream`'s chunks as one result: token_ids, finish_reason, usage (and logprobs when asked)."""
+    tokens: list[int] = []
+    logprobs: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
+    async for chunk in stream:
+        tokens += chunk["token_ids"]
+        logprobs += chunk.get("logprobs", [])
+        last = chunk
+    out = {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
+    return out | ({"logprobs": logprobs} if "logprobs" in last else {})
 
 
 class Router:
@@ -84,15 +97,7 @@ class Router:
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one request to completion: token_ids, finish_reason, usage (and logprobs when asked)."""
-        tokens: list[int] = []
-        logprobs: list[dict[str, Any]] = []
-        last: dict[str, Any] = {}
-        async for chunk in self.generate_stream(prompt_token_ids, sampling):
-            tokens += chunk["token_ids"]
-            logprobs += chunk.get("logprobs", [])
-            last = chunk
-        out = {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
-        return out | ({"logprobs": logprobs} if "logprobs" in last else {})
+        return await collected(self.generate_stream(prompt_token_ids, sampling))
 
     async def generate_stream(
         self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None

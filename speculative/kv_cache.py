@@ -60,6 +60,8 @@ class SlotCache(DynamicCache):
 
     def reserve(self, rows: int, cols: int) -> None:
         """Make room for `rows` rows of `cols` columns: at least double when growing."""
+        if rows <= self.slots and cols <= self.capacity:  # every forward asks: nothing to walk
+            return
         if rows > self.slots:
             self.slots = max(rows, 2 * self.slots)
         if cols > self.capacity:

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from actors.records import usage, with_logprobs
-from actors.router import Overloaded
+from actors.router import Overloaded, collected
 from deploy.frontdoor import FrontDoor, FrontDoorConfig
 from deploy.grpc_ingress import GrpcIngress
 from deploy.http_ingress import OpenAIIngress
@@ -110,15 +110,7 @@ class FrontRouter:
         await self.info()  # the target is in this process: ready when it answers
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-        tokens: list[int] = []
-        logprobs: list[dict[str, Any]] = []
-        last: dict[str, Any] = {}
-        async for chunk in self.generate_stream(prompt_token_ids, sampling):
-            tokens += chunk["token_ids"]
-            logprobs += chunk.get("logprobs", [])
-            last = chunk
-        out = {"token_ids": tokens, "finish_reason": last.get("finish_reason"), "usage": last.get("usage", {})}
-        return out | ({"logprobs": logprobs} if "logprobs" in last else {})
+        return await collected(self.generate_stream(prompt_token_ids, sampling))
 
     async def generate_stream(
         self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None
