@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.admission import ContextWindow
 from deploy.prompts import PromptTokenizer
+from speculative.grammar import GrammarCompiler
 from speculative.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -123,10 +124,14 @@ class FrontDoor:
     tokenizer: PreTrainedTokenizerBase
     context_window: int
     prompts: PromptTokenizer = field(init=False, repr=False, compare=False)
+    # The target tokenizer's grammar compiler, loaded at the first structured-output request: a tokenizer it
+    # cannot read makes such requests a 400 here, before any worker is asked to mask by it.
+    grammars: GrammarCompiler = field(init=False, repr=False, compare=False)
     _threads: ThreadPoolExecutor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompts", PromptTokenizer(self.tokenizer))
+        object.__setattr__(self, "grammars", GrammarCompiler.lazy(lambda: self.tokenizer))
         threads = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="frontdoor")
         object.__setattr__(self, "_threads", threads)
 

@@ -304,7 +304,7 @@ def openai_to_generation(
         "ignore_eos": request.ignore_eos,
         "max_draft_tokens": request.max_draft_tokens,
         "seed": request.seed if request.seed is not None else seed,
-        "grammar": request_grammar(request)[0],
+        "grammar": request_grammar(request, front.grammars.unavailable)[0],
     }
     return prompt, sampling_params(fields)
 

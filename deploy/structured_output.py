@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,9 +95,10 @@ def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
     return GrammarSpec(kind="json_object") if so.json_object else None
 
 
-def request_grammar(request: Any) -> tuple[dict[str, Any] | None, str | None]:
+def request_grammar(request: Any, unavailable: Callable[[], str | None]) -> tuple[dict[str, Any] | None, str | None]:
     """The request's grammar as a SamplingParams `grammar` dict, and the field it came from (None, None:
-    no constraint). RequestError naming the field for two constraints or one llguidance cannot compile."""
+    no constraint). RequestError naming the field for two constraints, one llguidance cannot compile, or
+    any when `unavailable()` says why this model cannot have one (`GrammarCompiler.unavailable`)."""
     found: list[tuple[str, GrammarSpec]] = []
     if request.response_format is not None and (spec := _from_response_format(request.response_format)):
         found.append(("response_format", spec))
@@ -114,6 +116,9 @@ def request_grammar(request: Any) -> tuple[dict[str, Any] | None, str | None]:
         names = ", ".join(name for name, _ in found)
         raise RequestError(f"{found[1][0]}: at most one structured output constraint (got {names})", found[1][0])
     param, spec = found[0]
+    reason = unavailable()
+    if reason is not None:
+        raise RequestError(f"{param}: structured output is not available for this model: {reason}", param=param)
     error = grammar_error(spec)
     if error is not None:
         raise RequestError(f"{param}: the grammar does not compile: {error}", param=param)

@@ -89,6 +89,7 @@ class GrammarCompiler:
         if (tokenizer is None) == (load is None):
             raise ValueError("a GrammarCompiler takes a tokenizer or a function loading one")
         self._tokenizer, self._load = tokenizer, load
+        self._load_error: str | None = None
         self.max_sequences = max_sequences  # least recently used states beyond it are dropped (soft state)
         self._templates: dict[GrammarSpec, Any] = {}
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()
@@ -105,10 +106,21 @@ class GrammarCompiler:
 
     @property
     def tokenizer(self) -> Any:  # llguidance.LLTokenizer
-        if self._tokenizer is None:
-            assert self._load is not None
-            self._tokenizer = self._load()
+        reason = self.unavailable()
+        if reason is not None:
+            raise GrammarError(f"grammar: structured output is not available for this model: {reason}")
         return self._tokenizer
+
+    def unavailable(self) -> str | None:
+        """Why this compiler has no tokenizer (loading it failed; the reason is kept), or None when it has one.
+        Loads the tokenizer at the first call."""
+        if self._tokenizer is None and self._load_error is None:
+            assert self._load is not None
+            try:
+                self._tokenizer = self._load()
+            except Exception as e:  # a tokenizer llguidance cannot read (no decoder, slow-only): no grammars
+                self._load_error = f"its tokenizer cannot build grammar masks ({type(e).__name__}: {e})"
+        return self._load_error
 
     @property
     def vocab(self) -> int:

@@ -119,7 +119,8 @@ class DraftModelDrafter:
         path = self._path_tokens(nodes, idx)
         scores = logits[None, : self.vocab]  # [1, V]
         params = req.params
-        if params.grammar is not None and self.grammars is None:  # no compiler here: q unmasked, p still is
+        if params.grammar is not None and (self.grammars is None or self.grammars.unavailable()):
+            # no compiler here: q unmasked (drafts are proposals), p still is
             params = params.model_copy(update={"grammar": None})
         if processes(params):  # the target's processors, on this node's context
             context = node_context(req.seq_id, req.tokens, req.prompt_len, params, self.eos_ids, self.grammars)

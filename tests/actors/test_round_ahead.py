@@ -35,11 +35,32 @@ def test_round_ahead_greedy_identical_to_the_target_alone_hits_and_misses(tiny_p
     assert sum(r["usage"]["accepted"] for r in results) > 0
 
 
+class SlowPrefill:
+    """A target pool whose first verify (the prefill) takes `delay_s` longer: the pre-draft made beside it
+    (the draft worker's first call, which also warms it up) always answers within the round, so the
+    assertions below are about what was drafted, never about which call was quicker."""
+
+    def __init__(self, inner: object, delay_s: float = 2.0) -> None:
+        self.inner, self.delay_s, self.verifies = inner, delay_s, 0
+
+    async def call(self, method: str, lane: str | None, *args: object) -> object:
+        if method == "verify":
+            self.verifies += 1
+            if self.verifies == 1:
+                await asyncio.sleep(self.delay_s)
+        return await self.inner.call(method, lane, *args)  # type: ignore[attr-defined]
+
+
+def with_slow_prefill(router: Router) -> Router:
+    router._target = SlowPrefill(router._target)  # type: ignore[assignment]
+    return router
+
+
 def test_a_prompt_is_caught_up_on_beside_the_target_prefill(tiny_pair: TinyPair) -> None:
     """The first draft call of a sequence rides beside its prefill verify: the draft model has the prompt
     before the second round, whose proposal is the pre-draft when the target's first token matched."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
-    router = make_router(tiny_pair)
+    router = with_slow_prefill(make_router(tiny_pair))
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
     first = router._records[0]
@@ -115,7 +136,7 @@ def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_beside_its_prefi
     the target's either way."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
     for limit, pre_drafted in ((len(prompt), True), (len(prompt) - 1, False)):
-        router = make_router(tiny_pair, ahead_prefill_tokens=limit)
+        router = with_slow_prefill(make_router(tiny_pair, ahead_prefill_tokens=limit))
         result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 12}))
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 12)
         first = router._records[0]

@@ -296,3 +296,24 @@ def test_tokenize_and_detokenize_round_trip(client: openai.OpenAI, server: str, 
         refused = post(server, path, body)
         assert refused.status_code == status and refused.json()["error"]["param"] == param, refused.text
     assert post(server, "/tokenize", {"prompt": PROMPT}, key="sk-wrong").status_code == 401
+
+
+def test_structured_output_on_a_tokenizer_without_grammars_is_a_400_and_serves_on(
+    client: openai.OpenAI, ingress: TinyIngress
+) -> None:
+    """The tiny WordLevel tokenizer has no decoder, so llguidance cannot build masks from it: a request
+    with a grammar is refused naming its field (before any worker masks by it), and the next is served."""
+    constrained: list[dict[str, Any]] = [
+        {"response_format": {"type": "json_object"}},
+        {"extra_body": {"guided_regex": "[a-z]+"}},
+        {"extra_body": {"guided_choice": ["yes", "no"]}},
+    ]
+    for fields in constrained:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, **fields)
+        body: Any = refused.value.body
+        assert "structured output is not available for this model" in body["message"], body
+        assert body["param"] in ("response_format", "guided_regex", "guided_choice"), body
+    done = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert done.choices[0].finish_reason == "length"
+    assert ingress.active == 0, "a refused request left a sequence behind"
