@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.config import DraftWorkerConfig
 from actors.groups import GroupCaches
+from actors.heap import freeze_heap
 from actors.loading import Resolver, identity, load_grammars, load_lm, vocab_size_of
 from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
@@ -46,6 +47,7 @@ class DraftWorker:
         self._calls = 0
         self.tag = replica_tag(self)
         mark_replica_up()
+        freeze_heap()
 
     def _new_drafter(self) -> Drafter | None:
         window, budget = self.limits.max_model_len, self.limits.kv_budget_tokens

@@ -7,6 +7,8 @@ from typing import Any
 
 import ray
 
+from actors.heap import frozen_objects
+
 
 def replica_tag(owner: object) -> str:
     """The Serve replica id of the calling replica, else a name unique to `owner` in this process."""
@@ -26,6 +28,7 @@ def where() -> dict[str, Any]:
         "gpu_ids": [],
         "node_id": None,
         "placement_group_id": None,
+        "heap_frozen": frozen_objects(),  # start-up objects no collection walks (actors/heap.py)
     }
     if not ray.is_initialized():
         return info

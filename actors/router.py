@@ -26,6 +26,7 @@ from typing import Any
 
 from actors.admission import ContextWindow
 from actors.config import RouterConfig
+from actors.heap import freeze_heap
 from actors.lane import Lane, LaneContext
 from actors.loading import Resolver, identity, load_decoder
 from actors.metrics import RouterMetrics, mark_replica_up
@@ -93,6 +94,7 @@ class Router:
         self._metrics = RouterMetrics()
         mark_replica_up()
         self._costs = StepCosts(config.depth)  # lanes come and go; what a verify or draft costs here outlives them
+        freeze_heap()
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any] | None = None) -> dict[str, Any]:

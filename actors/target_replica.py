@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.admission import KvLedger
 from actors.config import TargetConfig
+from actors.heap import freeze_heap
 from actors.loading import Resolver, identity
 from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
@@ -110,6 +111,7 @@ class TargetReplica:
         self._info: TargetInfo | None = None
         self._ledger: KvLedger | None = None  # KV reservations, from the first call (the shards' budget)
         mark_replica_up()
+        freeze_heap()
 
     async def verify(
         self, cache_key: str, items: list[WireVerifyItem], release: list[str], lane: str | None = None

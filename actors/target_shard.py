@@ -21,6 +21,7 @@ import ray
 from actors import tp
 from actors.config import TargetConfig
 from actors.groups import GroupCaches
+from actors.heap import freeze_heap
 from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
@@ -70,6 +71,7 @@ class TargetShard:
         )
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
         self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
+        freeze_heap()
         return self._info
 
     def verify(

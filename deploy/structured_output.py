@@ -116,10 +116,10 @@ def request_grammar(request: Any, unavailable: Callable[[], str | None]) -> tupl
         names = ", ".join(name for name, _ in found)
         raise RequestError(f"{found[1][0]}: at most one structured output constraint (got {names})", found[1][0])
     param, spec = found[0]
-    reason = unavailable()
-    if reason is not None:
-        raise RequestError(f"{param}: structured output is not available for this model: {reason}", param=param)
     error = grammar_error(spec)
     if error is not None:
         raise RequestError(f"{param}: the grammar does not compile: {error}", param=param)
+    reason = unavailable()
+    if reason is not None:
+        raise RequestError(f"{param}: structured output is not available for this model: {reason}", param=param)
     return spec.model_dump(), param

@@ -57,6 +57,9 @@ def test_each_worker_holds_its_own_gpu(ray_with_gpus: None, tiny_pair: TinyPair)
         shards = [(s["rank"], s["gpu_ids"], s["placement_group_id"][:8]) for s in t["shards"]]
         print("target", t["replica"], "gpus", t["gpu_ids"], "pg", t["placement_group_id"][:8], "shards", shards)
     assert len(draft["gpu_ids"]) == 1
+    # Start-up objects are out of every collection's walk (actors/heap.py), in each kind of replica process.
+    assert draft["heap_frozen"] > 100_000
+    assert all(t["heap_frozen"] > 100_000 and all(s["heap_frozen"] > 100_000 for s in t["shards"]) for t in targets)
     assert targets[0]["replica"] != targets[1]["replica"]
     gpu_ids = list(draft["gpu_ids"])
     for target in targets:
