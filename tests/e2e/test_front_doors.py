@@ -155,8 +155,9 @@ def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: by
 
 
 @pytest.mark.skip(
-    reason="known bug (issue 22, open): through Serve, after a draft call exceeds draft_timeout_s, a lane "
-    "holding the request's two sequences stops finishing them (the request hangs); n itself is covered by "
+    reason="known bug (issue 22, open): through Serve, once draft calls time out (reproduced every time with "
+    "router.draft_timeout_s 0.001), an n = 2 request hangs: its second sequence's `reserve` and then the first's "
+    "`verify` stay pending at the target until the client disconnects; n = 1 is served. n itself is covered by "
     "tests/unit/test_openai_compat.py"
 )
 def test_n_choices_and_ignored_fields_through_serves_proxy(served: dict) -> None:
