@@ -6,9 +6,13 @@ pins to one replica; calls without a lane (`info`) go to any replica.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ray.exceptions import OutOfMemoryError, RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 
@@ -45,7 +49,32 @@ class ServePool:
 
     async def call(self, method: str, lane: str | None, *args: Any) -> Any:
         kwargs = {} if lane is None else {"lane": lane}
-        return await getattr(self.handle, method).remote(*args, **kwargs)
+        with own_request_id():
+            response = getattr(self.handle, method).remote(*args, **kwargs)
+        return await response
+
+
+@contextlib.contextmanager
+def own_request_id() -> Iterator[None]:
+    """Handle calls made inside this block get an internal request id of their own.
+
+    Serve gives every handle call made while serving a request that request's internal id, and its
+    request router indexes the calls waiting for a replica by that id, one per id: of two such calls
+    waiting at once (the `reserve` calls of a request's n sequences, when a slow replica's queue probe
+    holds routing up), the second is never given a replica, and with it every call queued behind it
+    at that deployment (other lanes' verifies) waits until the client goes away. The request id
+    (logs, tracing) is kept; cancelling the awaiting task still cancels the call.
+    """
+    context = serve_context._serve_request_context
+    current = context.get()
+    if current is None or not current._internal_request_id:
+        yield  # not inside a request: Serve makes a fresh id per call
+        return
+    token = context.set(dataclasses.replace(current, _internal_request_id=""))  # "": Serve makes a fresh one
+    try:
+        yield
+    finally:
+        context.reset(token)
 
 
 class LocalPool:

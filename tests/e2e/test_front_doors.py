@@ -154,12 +154,6 @@ def test_malformed_http_requests_get_400_naming_the_field(served: dict, body: by
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-@pytest.mark.skip(
-    reason="known bug (issue 22, open): through Serve, once draft calls time out (reproduced every time with "
-    "router.draft_timeout_s 0.001), an n = 2 request hangs: its second sequence's `reserve` and then the first's "
-    "`verify` stay pending at the target until the client disconnects; n = 1 is served. n itself is covered by "
-    "tests/unit/test_openai_compat.py"
-)
 def test_n_choices_and_ignored_fields_through_serves_proxy(served: dict) -> None:
     """An unknown field is ignored and named in the header, which Serve's HTTP proxy passes on; n = 2 gives two."""
     raw = client(served).completions.with_raw_response.create(
