@@ -167,14 +167,16 @@ class CompletionRequest(_SamplingFields):
         default=None, ge=0, le=MAX_LOGPROBS, description="Each token's log probability and this many top ones."
     )
     best_of: int | None = Field(default=None, ge=1, le=20, description="Only best_of = n is supported.")
-    suffix: str | None = Field(default=None, description="Not supported.")
+    suffix: str | None = Field(
+        default=None,
+        description="Text after the completion: a fill-in-the-middle prompt, for models whose tokenizer has "
+        "FIM tokens (<|fim_prefix|>... as Qwen2.5-Coder, <fim_prefix>... as StarCoder); 400 otherwise.",
+    )
 
     def _limits(self) -> list[tuple[str, bool, str]]:
-        no = "not supported by this server"
         best_of = "only best_of = n is supported: ranking more candidates needs their log probabilities"
         return super()._limits() + [
             ("best_of", self.best_of in (None, self.n or 1), best_of),
-            ("suffix", self.suffix is None, no),
         ]
 
 
@@ -283,7 +285,7 @@ def openai_to_generation(
         asked, default = request.max_completion_tokens or request.max_tokens, None
     else:
         prompt_param = completion_prompt_param(request.prompt, prompt_index)
-        prompt = completion_prompt_ids(request.prompt, front.prompts, prompt_index)
+        prompt = completion_prompt_ids(request.prompt, front.prompts, prompt_index, request.suffix)
         max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
     window = window or front.served_window({})
     max_tokens = fit_context(len(prompt), asked, default, window, prompt_param, max_param)

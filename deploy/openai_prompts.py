@@ -38,17 +38,47 @@ def completion_prompt_param(prompt: str | list[int] | list[str] | list[list[int]
     return "prompt" if len(completion_prompts(prompt)) == 1 else f"prompt.[{index}]"
 
 
+# Fill-in-the-middle markers, in the prefix-suffix-middle order the models were trained on: Qwen2.5-Coder
+# (and the Qwen2.5 tokenizers), then StarCoder / SantaCoder / DeepSeek-style models without the bars.
+FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+)
+
+
+def fim_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int, int] | None:
+    """The ids of the tokenizer's prefix, suffix and middle markers, or None when it has no complete set."""
+    vocab = tokenizer.get_vocab()
+    for names in FIM_MARKERS:
+        if all(name in vocab for name in names):
+            prefix, suffix, middle = (vocab[name] for name in names)
+            return prefix, suffix, middle
+    return None
+
+
 def completion_prompt_ids(
-    prompt: str | list[int] | list[str] | list[list[int]], prompts: PromptTokenizer, index: int = 0
+    prompt: str | list[int] | list[str] | list[list[int]],
+    prompts: PromptTokenizer,
+    index: int = 0,
+    suffix: str | None = None,
 ) -> list[int]:
     """Prompt `index`'s ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one),
-    control-token text in it as plain text (send token ids to place control tokens)."""
+    control-token text in it as plain text (send token ids to place control tokens). With a `suffix`, the
+    fill-in-the-middle prompt `<prefix> prompt <suffix> suffix <middle>`: the model writes what goes between."""
     one = completion_prompts(prompt)[index]
-    ids = prompts.text(one) if isinstance(one, str) else list(one)
-    if not ids:
+    # A fill-in-the-middle prompt starts with its prefix marker, so no BOS within it.
+    ids = prompts.text(one, add_special_tokens=suffix is None) if isinstance(one, str) else list(one)
+    if not ids and suffix is None:
         param = completion_prompt_param(prompt, index)
         raise RequestError(f"{param}: must not be empty", param=param)
-    return ids
+    if suffix is None:
+        return ids
+    markers = fim_markers(prompts.tokenizer)
+    if markers is None:
+        names = " or ".join("/".join(m) for m in FIM_MARKERS)
+        raise RequestError(f"suffix: this model's tokenizer has no fill-in-the-middle tokens ({names})", "suffix")
+    before, after, middle = markers
+    return [before, *ids, after, *prompts.text(suffix, add_special_tokens=False), middle]
 
 
 def chat_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:

@@ -55,14 +55,17 @@ SENTENCES = [
 ]
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """WordLevel over the sentences' words and punctuation; exactly VOCAB ids, specials first."""
+def tiny_tokenizer(last: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """WordLevel over the sentences' words and punctuation; exactly VOCAB ids, specials first. `last`: special
+    tokens that take the last ids instead of filler (fill-in-the-middle markers), the others' ids unchanged."""
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=SPECIAL))
-    filler = [f"w{i}" for i in range(VOCAB - tok.get_vocab_size())]
+    filler = [f"w{i}" for i in range(VOCAB - tok.get_vocab_size() - len(last))]
     if filler:
         tok.add_tokens(filler)
+    if last:
+        tok.add_special_tokens(list(last))
     assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

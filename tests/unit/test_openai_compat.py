@@ -30,6 +30,7 @@ from tests.front_router import (
     tiny_pair,
     tiny_tokenizer,
 )
+from tests.tiny_models import VOCAB
 
 KEY = "sk-compat"
 WINDOW = 64
@@ -317,3 +318,33 @@ def test_structured_output_on_a_tokenizer_without_grammars_is_a_400_and_serves_o
     done = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
     assert done.choices[0].finish_reason == "length"
     assert ingress.active == 0, "a refused request left a sequence behind"
+
+
+def test_suffix_makes_a_fill_in_the_middle_prompt_where_the_tokenizer_has_its_markers(
+    client: openai.OpenAI, models: Any
+) -> None:
+    """With Qwen2.5-Coder's markers in the tokenizer, `suffix` serves the prompt
+    `<|fim_prefix|> prompt <|fim_suffix|> suffix <|fim_middle|>`: the same tokens as sending those ids; the
+    tiny tokenizer without them refuses `suffix`, naming it."""
+    markers = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    fim_tokenizer = tiny_tokenizer(last=markers)
+    fim = TinyIngress(front_door(fim_tokenizer, WINDOW, api_key=KEY), *models)
+    with serve_in_thread(fim.__serve_build_asgi_app__()) as url:
+        fim_client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        done = fim_client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix=" over the dog", **GREEDY)
+        ids = [fim_tokenizer.convert_tokens_to_ids(m) for m in markers]
+        assert ids == [VOCAB - 3, VOCAB - 2, VOCAB - 1]
+        expected_prompt = [
+            ids[0],
+            *fim_tokenizer.encode(PROMPT),
+            ids[1],
+            *fim_tokenizer.encode(" over the dog"),
+            ids[2],
+        ]
+        by_ids = fim_client.completions.create(model=MODEL_NAME, prompt=expected_prompt, **GREEDY)
+        assert done.usage is not None and done.usage.prompt_tokens == len(expected_prompt)
+        assert done.choices[0].text == by_ids.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix=" over the dog", **GREEDY)
+    body: Any = refused.value.body
+    assert body["param"] == "suffix" and "fill-in-the-middle" in body["message"], body
