@@ -339,25 +339,35 @@ class Usage(BaseModel):
         )
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice holds beside its text, message or delta."""
+
     model_config = RESPONSE_MODEL
 
     index: int = 0
-    text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
     token_ids: list[int] | None = Field(default=None, **IF_NONE)
 
 
-class Completion(BaseModel):
-    """A /v1/completions response, and (with `usage` only on the last) its stream chunks."""
+class CompletionChoice(_Choice):
+    text: str
+
+
+class _Response(BaseModel):
+    """What every completion response and stream chunk starts with (OpenAI's `object` is each one's own)."""
 
     model_config = RESPONSE_MODEL
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class Completion(_Response):
+    """A /v1/completions response, and (with `usage` only on the last) its stream chunks."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = Field(default=None, **IF_NONE)
 
@@ -369,23 +379,12 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    model_config = RESPONSE_MODEL
-
-    index: int = 0
+class ChatChoice(_Choice):
     message: AssistantMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: FinishReason
-    token_ids: list[int] | None = Field(default=None, **IF_NONE)
 
 
-class ChatCompletion(BaseModel):
-    model_config = RESPONSE_MODEL
-
-    id: str
+class ChatCompletion(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -397,23 +396,12 @@ class Delta(BaseModel):
     content: str | None = Field(default=None, **IF_NONE)
 
 
-class ChunkChoice(BaseModel):
-    model_config = RESPONSE_MODEL
-
-    index: int = 0
+class ChunkChoice(_Choice):
     delta: Delta
-    logprobs: dict[str, Any] | None = None
-    finish_reason: FinishReason
-    token_ids: list[int] | None = Field(default=None, **IF_NONE)
 
 
-class ChatCompletionChunk(BaseModel):
-    model_config = RESPONSE_MODEL
-
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
     usage: Usage | None = Field(default=None, **IF_NONE)
 
