@@ -74,7 +74,7 @@ def plan_request(front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: 
         if isinstance(request, ChatCompletionRequest):
             param, echo = "messages", ""
         else:
-            param, echo = completion_prompt_param(request.prompt, k), echo_text(request, front, ids, k)
+            param, echo = completion_prompt_param(request.prompt, k), echo_text(request, front, k)
         for i in range(n):
             seeded = sampling | {"seed": choice_seed(request.seed, seed, k * n + i, i)}
             choices.append(Choice(k * n + i, ids, seeded, k, param, echo))
@@ -108,11 +108,12 @@ def _mix(seed: int, i: int) -> int:
     return int.from_bytes(digest, "big") >> 1  # SamplingParams takes seeds below 2**63
 
 
-def echo_text(request: CompletionRequest, front: FrontDoor, ids: list[int], index: int) -> str:
-    """With `echo`, prompt `index`'s text: as sent, or its token ids decoded as the output is."""
+def echo_text(request: CompletionRequest, front: FrontDoor, index: int) -> str:
+    """With `echo`, prompt `index`'s text: as sent, or its token ids decoded as the output is (the prompt
+    alone: without the fill-in-the-middle markers and `suffix` the model was given)."""
     if not request.echo:
         return ""
     prompt = completion_prompts(request.prompt)[index]
     if isinstance(prompt, str):
         return prompt
-    return front.decode(ids, skip_special_tokens=request.skip_special_tokens is not False)
+    return front.decode(list(prompt), skip_special_tokens=request.skip_special_tokens is not False)

@@ -344,6 +344,10 @@ def test_suffix_makes_a_fill_in_the_middle_prompt_where_the_tokenizer_has_its_ma
         by_ids = fim_client.completions.create(model=MODEL_NAME, prompt=expected_prompt, **GREEDY)
         assert done.usage is not None and done.usage.prompt_tokens == len(expected_prompt)
         assert done.choices[0].text == by_ids.choices[0].text
+        echoed = fim_client.completions.create(
+            model=MODEL_NAME, prompt=fim_tokenizer.encode(PROMPT), suffix=" over the dog", echo=True, **GREEDY
+        )
+        assert echoed.choices[0].text == PROMPT + done.choices[0].text  # the prompt alone, not the suffix
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix=" over the dog", **GREEDY)
     body: Any = refused.value.body
