@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Quantize = Literal["none", "int8"]
 
 # A replica's KV budget (speculative/kv_budget.py): the router admits a sequence only when its prompt
 # plus max_tokens fits in what is left of it, and no window larger than it is advertised.
@@ -60,6 +61,17 @@ class ModelConfig(BaseModel):
         le=1024,
         description="torch.set_num_threads in the worker; None keeps Ray's OMP_NUM_THREADS.",
     )
+    quantize: Quantize = Field(
+        default="none",
+        description="int8: the Linear layers' weights in int8, quantized at load (torch's dynamic int8 "
+        "kernels, CPU only), the rest in float32; only a draft model takes it (drafts never change output).",
+    )
+
+    @model_validator(mode="after")
+    def _quantize_on_cpu(self) -> ModelConfig:
+        if self.quantize == "int8" and self.device != "cpu":
+            raise ValueError("quantize: 'int8' runs on CPU only (torch's dynamic int8 kernels); use device: cpu")
+        return self
 
 
 class DraftWorkerConfig(BaseModel):
@@ -127,6 +139,12 @@ class TargetConfig(BaseModel):
     shard_start_timeout_s: float = Field(
         default=900.0, gt=0, le=7_200, description="Loading plus the first DeepSpeed compile may take minutes."
     )
+
+    @model_validator(mode="after")
+    def _target_exact(self) -> TargetConfig:
+        if self.model.quantize != "none":
+            raise ValueError("model.quantize: the target is never quantized (its tokens are the output)")
+        return self
 
 
 class RouterConfig(BaseModel):

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from actors.config import ModelConfig
 from speculative.grammar import GrammarCompiler
-from speculative.loading import DTYPES
+from speculative.loading import DTYPES, quantized
 
 Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (deploy.models.resolve)
 
@@ -23,11 +23,10 @@ def load_lm(config: ModelConfig, resolve: Resolver = identity) -> PreTrainedMode
         raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device here")
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve(config.path), dtype=DTYPES[config.dtype], attn_implementation="sdpa"
-    )
+    dtype = torch.float32 if config.quantize == "int8" else DTYPES[config.dtype]  # int8 kernels take float32
+    model = AutoModelForCausalLM.from_pretrained(resolve(config.path), dtype=dtype, attn_implementation="sdpa")
     torch.nn.Module.to(model, torch.device(config.device))  # in place; transformers types .to oddly
-    return model.eval()
+    return quantized(model.eval(), config.quantize)
 
 
 def vocab_size_of(path: str, resolve: Resolver = identity) -> int:

@@ -17,6 +17,7 @@ from actors.config import (
     KvBudgetTokens,
     KvMemoryFraction,
     ModelConfig,
+    Quantize,
     RouterConfig,
     TargetConfig,
 )
@@ -238,6 +239,11 @@ class AppConfig(BaseModel):
     device: Literal["cpu", "cuda"] = Field(
         default="cpu", description="Chosen here, never from the GPU ids Ray assigns."
     )
+    draft_quantize: Quantize = Field(
+        default="none",
+        description="int8: the draft model's Linear weights in int8 (CPU only; the rest of it in float32), "
+        "about 2x faster per draft step than bfloat16 on a CPU; the target is never quantized.",
+    )
     tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree of each target replica.")
     torch_threads: int | None = Field(default=None, ge=1, le=1024, description="torch threads per worker process.")
     model_cache_dir: str | None = Field(
@@ -262,10 +268,14 @@ class AppConfig(BaseModel):
     def _draft_model_when_needed(self) -> AppConfig:
         if self.drafter.kind == "model" and self.draft_model is None:
             raise ValueError("draft_model: drafter kind 'model' needs a draft model")
+        if self.draft_quantize == "int8" and self.device != "cpu":
+            raise ValueError("draft_quantize: 'int8' runs on CPU only (torch's dynamic int8 kernels); use device: cpu")
         return self
 
-    def _model(self, path: str) -> ModelConfig:
-        return ModelConfig(path=path, dtype=self.dtype, device=self.device, torch_threads=self.torch_threads)
+    def _model(self, path: str, quantize: Quantize = "none") -> ModelConfig:
+        return ModelConfig(
+            path=path, dtype=self.dtype, device=self.device, torch_threads=self.torch_threads, quantize=quantize
+        )
 
     def draft_worker(self) -> DraftWorkerConfig | None:
         """None without a draft model (kind none; kind lookup, which the router drafts itself): no draft
@@ -273,7 +283,7 @@ class AppConfig(BaseModel):
         if self.drafter.kind != "model" or self.draft_model is None:
             return None
         return DraftWorkerConfig(
-            model=self._model(self.draft_model),
+            model=self._model(self.draft_model, self.draft_quantize),
             target_model=self.target_model,
             drafter=self.drafter,
             idle_evict_s=self.draft_pool.idle_evict_s,

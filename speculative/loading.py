@@ -34,3 +34,28 @@ def load_model(path: str, dtype: str = "float32") -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model.eval(), tokenizer, eos_ids_of(model, tokenizer))
+
+
+def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
+    """`model` with its Linear layers' weights in int8 (`mode` "int8"; "none": unchanged).
+
+    torch's dynamic int8 Linear (fbgemm on x86: per-output-channel weight scales, activations quantized
+    per call) on a float32 model, CPU only: a memory-bound decode step reads a quarter of float32's
+    bytes, half of bfloat16's. For draft models: a draft's tokens are only proposals, so a quantized
+    draft changes how many are accepted, never the output. The LM head is quantized too (an untied
+    copy; the input embeddings stay float32).
+    """
+    if mode == "none":
+        return model
+    if mode != "int8":
+        raise ValueError(f"quantize: expected 'none' or 'int8', got {mode!r}")
+    if next(model.parameters()).device.type != "cpu" or next(model.parameters()).dtype != torch.float32:
+        raise ValueError("quantize: 'int8' needs a float32 model on the CPU")
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():  # torch.ao's deprecation notices: the kernels are what torch 2.13 ships
+        warnings.simplefilter("ignore")
+        out = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    return out

@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
 from actors.draft_worker import DraftWorker
+from actors.loading import load_lm
 from actors.pools import LocalPool
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
@@ -138,3 +141,19 @@ def test_the_front_doors_serve_the_window_the_kv_budget_allows(
     while ledger() and time.monotonic() < deadline:  # the lane releases it once it is empty
         time.sleep(0.05)
     assert ledger() == 0
+
+
+def test_int8_quantizes_the_draft_alone_and_on_cpu_only(folders: tuple[Path, Path, Any]) -> None:
+    """`draft_quantize: int8` (the CPU default's) loads the draft with int8 Linear weights and never the target."""
+    config = {"target_model": "t", "draft_model": "d", "draft_quantize": "int8"}
+    app = AppConfig.model_validate(config)
+    draft = app.draft_worker()
+    assert draft is not None and draft.model is not None and draft.model.quantize == "int8"
+    assert app.target().model.quantize == "none"
+    with pytest.raises(ValidationError, match="draft_quantize: 'int8' runs on CPU only"):
+        AppConfig.model_validate({**config, "device": "cuda"})
+    with pytest.raises(ValidationError, match="the target is never quantized"):
+        TargetConfig(model=ModelConfig(path="t", quantize="int8"))
+    loaded = load_lm(ModelConfig(path=str(folders[1]), dtype="bfloat16", quantize="int8"))
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}  # int8 kernels take float32 around them

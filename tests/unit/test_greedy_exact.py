@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_match
 from speculative.load_control import QUOTE_RUN
+from speculative.loading import quantized
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
@@ -145,3 +148,25 @@ def test_perfect_draft_accepts_everything():
     assert out.output == reference_greedy(target, PROMPTS[0], 17)
     assert out.stats.steps == 5  # 4 steps of 4 tokens + 1 (max_tokens caps the last depth)
     assert out.stats.accepted == 12
+
+
+@pytest.mark.parametrize("drafter", ["chain", "tree"])
+def test_int8_draft_stays_exact(models, drafter):
+    """A draft with int8 Linear weights (`quantize: int8`, the CPU default's draft) proposes tokens the
+    target accepts, and the output is still the target's own, batch of one and mixed."""
+    target, _, refs = models
+    draft = quantized(copy.deepcopy(target), "int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())  # every Linear is int8 now
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        (out,) = decoder(target, draft, drafter, max_depth=4, adaptive=False).generate([prompt], GREEDY)
+        assert out.output == ref
+    outs = decoder(target, draft, drafter, max_depth=4, adaptive=False).generate(PROMPTS, GREEDY)
+    assert [o.output for o in outs] == refs
+    assert sum(o.stats.accepted for o in outs) > 0  # an int8 copy of the target mostly agrees with it
+
+
+def test_int8_needs_a_float32_cpu_model():
+    with pytest.raises(ValueError, match="float32"):
+        quantized(tiny_model("llama").to(torch.bfloat16), "int8")
+    with pytest.raises(ValueError, match="quantize"):
+        quantized(tiny_model("llama"), "int4")
