@@ -132,6 +132,18 @@ class ModelRunner:
         back as the head computed them, row by row with no padding: P = asked in all rows, row b's
         first at `packing.row_offsets` of the rows' asked counts.
         """
+        picked = self.forward_hidden(tokens, parents, logits_at)
+        return None if picked is None else self.logits(picked)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, V]
+        return self._head(hidden[None])[0]  # a batch dimension: DeepSpeed's sharded head wants one
+
+    @torch.no_grad()
+    def forward_hidden(
+        self, tokens: list[list[int]], parents: list[list[int]], logits_at: list[list[int]] | None = None
+    ) -> torch.Tensor | None:  # [P, H] the last hidden states at `logits_at` (what `forward` gives the head)
+        """`forward` without the LM head: the hidden states it would project (extra heads read them too)."""
         batch = len(self.rows)
         if len(tokens) != batch or len(parents) != batch:
             raise ValueError(f"expected {batch} rows of tokens and parents")
@@ -166,8 +178,7 @@ class ModelRunner:
             return None
         offsets = row_offsets(lengths)
         asked = [min(a + offsets[b], len(hidden) - 1) for b, at in enumerate(logits_at) for a in at]  # packed
-        picked = hidden[torch.tensor(asked, dtype=torch.long, device=self.device)]  # [P, H]
-        return self._head(picked[None])[0]  # [P, V] (a batch dimension: DeepSpeed's sharded head wants one)
+        return hidden[torch.tensor(asked, dtype=torch.long, device=self.device)]  # [P, H]
 
     def _run(
         self,

@@ -22,6 +22,7 @@ import torch
 
 from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
+from speculative.drafters.medusa import HeadGuesses, MedusaHeads
 from speculative.grammar import GrammarCompiler
 from speculative.logprobs import token_logprobs
 from speculative.packing import row_offsets
@@ -60,16 +61,22 @@ class TargetVerifier:
         prefill_chunk: int | None = None,
         eos_ids: frozenset[int] = frozenset(),
         grammars: GrammarCompiler | None = None,
+        heads: MedusaHeads | None = None,
+        heads_top: int = 4,
     ) -> None:
         """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit). `eos_ids`:
         the model's end tokens, banned with the stop ids before a request's `min_tokens`. `grammars`:
-        the target tokenizer's grammar compiler (structured output); None refuses requests with one."""
+        the target tokenizer's grammar compiler (structured output); None refuses requests with one.
+        `heads`: Medusa heads read at each verdict's last kept node, their `heads_top` best tokens each
+        kept in `guesses` for the next round's tree (`drafters.medusa.MedusaDrafter`)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.runner = runner
         self.prefill_chunk = prefill_chunk
         self.eos_ids = eos_ids
         self.grammars = grammars
+        self.heads, self.heads_top = heads, heads_top
+        self.guesses: dict[str, HeadGuesses] = {}  # per sequence, the heads' guesses after its last verdict
 
     @property
     def vocab_size(self) -> int:
@@ -88,12 +95,31 @@ class TargetVerifier:
         self.runner.reserve(max(len(i.tokens) + i.proposal.tree.size for i in items))
         missing = self.runner.sync(rows, [list(i.tokens) for i in items])
         forward = self._inputs(items, rows, missing)
-        logits = self.runner.forward(forward.tokens, forward.parents, forward.logits_at)  # [P, V], model's device
-        if logits is None:  # every row still prefilling
-            logits = torch.empty(0, self.vocab_size)
+        hidden = self.runner.forward_hidden(forward.tokens, forward.parents, forward.logits_at)  # [P, H]
+        # [P, V] on the model's device; none while every row is still prefilling
+        logits = self.runner.logits(hidden) if hidden is not None else torch.empty(0, self.vocab_size)
         verdicts, keep = self._verdicts(items, rows, forward, logits)
         self.runner.commit(keep)
+        if self.heads is not None and hidden is not None:
+            self._guess(items, rows, forward, verdicts, hidden)
         return verdicts
+
+    def _guess(
+        self, items: list[VerifyItem], rows: list[int], forward: _Forward, verdicts: list[Verdict], hidden: torch.Tensor
+    ) -> None:
+        """The heads' guesses from the hidden state each verdict's bonus token came from (its last kept node)."""
+        assert self.heads is not None
+        starts = row_offsets([len(a) for a in forward.logits_at])
+        triples = zip(items, rows, verdicts, strict=True)
+        done = [(item, starts[row] + v.path[-1], v) for item, row, v in triples if v.tokens]
+        if not done:
+            return
+        at = torch.tensor([i for _, i, _ in done], device=hidden.device)
+        dtype = next(self.heads.parameters()).dtype
+        with torch.no_grad():
+            top = self.heads.top(hidden[at].to(dtype), self.heads_top).tolist()  # [N][K][k]
+        for (item, _, verdict), guessed in zip(done, top, strict=True):
+            self.guesses[item.seq_id] = HeadGuesses(len(item.tokens) + len(verdict.tokens), guessed)
 
     def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:
         """Each row's catch-up chain with its tree hung after it, within the prefill chunk."""
@@ -159,6 +185,8 @@ class TargetVerifier:
         return verdicts, keep
 
     def release(self, seq_ids: list[str]) -> None:
+        for s in seq_ids:
+            self.guesses.pop(s, None)
         if self.grammars is not None:
             self.grammars.release(seq_ids)
         known = [s for s in seq_ids if s in self.runner.rows]

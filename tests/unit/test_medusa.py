@@ -1,0 +1,151 @@
+"""Medusa heads: the published checkpoint layout, trees from choices, and exact output with random heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from speculative.decoder import SpeculativeDecoder
+from speculative.depth import DepthConfig
+from speculative.drafters.base import DraftRequest
+from speculative.drafters.medusa import (
+    DEFAULT_CHOICES,
+    HeadGuesses,
+    MedusaDrafter,
+    MedusaHeads,
+    check_choices,
+    choices_tree,
+    load_medusa,
+    save_medusa,
+)
+from speculative.runner import ModelRunner
+from speculative.sampling import SamplingParams
+from speculative.target import TargetVerifier
+from tests.tiny_models import VOCAB, reference_greedy, tiny_model
+
+NEW = 24
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12], [20, 21, 22, 23, 24, 25, 26, 20, 21, 22], [7]]
+CHAIN = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
+
+
+def heads_for(target: torch.nn.Module, heads: int = 4, seed: int = 0) -> MedusaHeads:
+    """Random heads laid out as Medusa initialises them: each projection a noisy copy of the target's LM
+    head (so a head's guesses are sometimes right), the residual blocks random and small."""
+    torch.manual_seed(seed)
+    lm_head = target.get_output_embeddings().weight
+    module = MedusaHeads(lm_head.shape[1], lm_head.shape[0], heads)
+    with torch.no_grad():
+        for head in module.medusa_head:
+            head[0].linear.weight.mul_(0.1)
+            head[-1].weight.copy_(lm_head + 0.3 * lm_head.std() * torch.randn_like(lm_head))
+    return module.eval()
+
+
+def decoder(target, heads: MedusaHeads | None, choices=DEFAULT_CHOICES, max_depth: int = 4) -> SpeculativeDecoder:
+    verifier = TargetVerifier(ModelRunner(target), heads=heads)
+    drafter = MedusaDrafter(verifier.guesses, check_choices(choices, 4)) if heads is not None else None
+    return SpeculativeDecoder(verifier, drafter, DepthConfig(max_depth=max_depth, adaptive=False))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def models(request):
+    target = tiny_model(request.param)
+    return target, heads_for(target), [reference_greedy(target, p, NEW) for p in PROMPTS]
+
+
+def test_published_layout_round_trip(tmp_path):
+    heads = MedusaHeads(hidden=16, vocab=32, heads=3, layers=2)
+    folder = save_medusa(heads, tmp_path / "medusa", base_model="tiny")
+    keys = set(heads.medusa_head.state_dict())
+    assert "0.0.linear.weight" in keys and "0.1.linear.bias" in keys and "2.2.weight" in keys  # FasterDecoding's names
+    loaded = load_medusa(folder)
+    x = torch.randn(5, 16)
+    assert loaded.heads == 3 and loaded.layers == 2
+    torch.testing.assert_close(loaded(x), heads(x))
+    assert loaded(x).shape == (5, 3, 32)
+
+
+def test_loads_a_pt_checkpoint_with_prefixed_keys(tmp_path):
+    """Some trainers save the whole module (`medusa_head.` prefix) as medusa_lm_head.pt."""
+    heads = MedusaHeads(hidden=8, vocab=12, heads=2)
+    (tmp_path / "config.json").write_text('{"medusa_num_heads": 2, "medusa_num_layers": 1}')
+    torch.save(
+        {f"medusa_head.{k}": v for k, v in heads.medusa_head.state_dict().items()}, tmp_path / "medusa_lm_head.pt"
+    )
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(load_medusa(tmp_path)(x), heads(x))
+    (tmp_path / "medusa_lm_head.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="medusa_lm_head"):
+        load_medusa(tmp_path)
+    save_file(
+        {k: v.contiguous() for k, v in heads.medusa_head.state_dict().items()}, tmp_path / "medusa_lm_head.safetensors"
+    )
+    torch.testing.assert_close(load_medusa(tmp_path)(x), heads(x))
+
+
+def test_tree_from_choices():
+    top = [[5, 9], [7, 3]]
+    tree = choices_tree(1, top, check_choices([(0,), (1,), (0, 0)], 2), depth=4)
+    assert (tree.tokens, tree.parents) == ((5, 9, 7), (0, 0, 1))
+    shallow = choices_tree(1, top, check_choices([(0,), (1,), (0, 0)], 2), depth=1)
+    assert shallow.tokens == (5, 9)
+    assert choices_tree(1, top, check_choices([(0,), (0, 5)], 2), depth=4).tokens == (5,)  # rank past top: left out
+    with pytest.raises(ValueError, match="prefix"):
+        check_choices([(0, 0)], 2)
+    with pytest.raises(ValueError, match="one per head"):
+        check_choices([(0,), (0, 0), (0, 0, 0)], 2)
+
+
+def test_drafter_proposes_only_for_the_length_it_guessed_at():
+    guesses = {"a": HeadGuesses(3, [[4], [6]])}
+    drafter = MedusaDrafter(guesses, CHAIN[:2])
+    fresh, stale, unknown = drafter.propose(
+        [
+            DraftRequest("a", (1, 2, 3), 4, GREEDY),
+            DraftRequest("a", (1, 2, 3, 4), 4, GREEDY),
+            DraftRequest("b", (1,), 4, GREEDY),
+        ]
+    )
+    assert fresh.tree.tokens == (4, 6) and stale.tree.size == 0 and unknown.tree.size == 0
+    drafter.release(["a"])
+    assert drafter.cached_sequences() == 0
+
+
+@pytest.mark.parametrize("choices", [CHAIN, DEFAULT_CHOICES], ids=["chain", "tree"])
+def test_greedy_identical_to_the_target_alone(models, choices):
+    target, heads, refs = models
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        (out,) = decoder(target, heads, choices).generate([prompt], GREEDY)
+        assert out.output == ref
+    outs = decoder(target, heads, choices).generate(PROMPTS, GREEDY)  # a mixed batch
+    assert [o.output for o in outs] == refs
+    assert sum(o.stats.accepted for o in outs) > 0  # the heads' guesses are sometimes right
+
+
+def test_sequences_joining_mid_stream_stay_exact(models):
+    target, heads, refs = models
+    dec = decoder(target, heads)
+    first = dec.add(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        dec.step()
+    later = [dec.add(p, GREEDY) for p in PROMPTS[1:]]
+    while dec.has_work:
+        dec.step()
+    by_id = {s.seq_id: s.output for s in dec.finished}
+    assert [by_id[i] for i in [first, *later]] == refs
+    assert not dec.target.guesses  # finished sequences' guesses are released
+
+
+def test_seeded_sampling_gives_plain_sampling_output(models):
+    """Medusa trees are deterministic drafts: target-sample matching emits what plain sampling emits."""
+    target, heads, _ = models
+    sampled = [SamplingParams(temperature=0.9, top_k=40, max_tokens=NEW, seed=s) for s in (1, 2, 3, 4)]
+    plain = [o.output for o in decoder(target, None).generate(PROMPTS, sampled)]
+    assert [o.output for o in decoder(target, heads).generate(PROMPTS, sampled)] == plain
+
+
+def test_vocab_matches_the_target(models):
+    target, heads, _ = models
+    assert heads.vocab == VOCAB == ModelRunner(target).vocab_size
