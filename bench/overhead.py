@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per row of the table")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (deploy/local.yaml runs 1)")
     parser.add_argument("--before", type=Path, help="an earlier run's JSON, shown beside this one")
+    parser.add_argument("--before-label", default="an earlier run", help="what the earlier run measured (the md says)")
     parser.add_argument("--out", type=Path, default=report.RESULTS)
     return parser.parse_args()
 
@@ -190,7 +191,9 @@ def markdown(rows: list[dict[str, Any]], before: list[dict[str, Any]] | None, ar
         f"{args.prompt_len} tokens, median of {args.steps} steps. Overhead = decoder step - bare forward of "
         f"the same [batch, draft tokens + 1] shape (the faster of transformers' dynamic and static caches); "
         f"host = decoder step - time inside the model's calls during it. Speculating rows use an oracle "
-        f"drafter (acceptance {args.acceptance}), so no draft model is timed.\n\n"
+        f"drafter (acceptance {args.acceptance}), so no draft model is timed."
+        + (f' Columns "before": {args.before_label}.' if before else "")
+        + "\n\n"
     )
     return intro + report.markdown_table(columns, table)
 

@@ -7,7 +7,8 @@ the modes in turn per prompt (order reversed each pass):
 - sequential (the YAML with `router.round_ahead: false`): with speculation;
 - plain: `max_draft_tokens: 0` on the round-ahead deployment (plain decoding, same processes).
 It reports tokens/s, TTFT and acceptance length per prompt, the ratios round-ahead / sequential and
-speculation / plain, and the router's round-ahead figures (pre-draft hit rate, the share of draft
+speculation / plain, TTFT with and without the draft pool from many short adjacent on/off request
+pairs (`first_tokens`), and the router's round-ahead figures (pre-draft hit rate, the share of draft
 time hidden behind verification, draft tokens never verified).
 
     python -m bench.round_ahead                  # ~10 minutes on 2 CPU cores
@@ -53,12 +54,29 @@ def measure(urls: dict[str, str], model: str, max_tokens: int, repeats: int) -> 
     return out
 
 
+def first_tokens(url: str, model: str, rounds: int, max_tokens: int) -> dict[str, list[float]]:
+    """Time to first token with speculation on and off (`max_draft_tokens: 0`) on one deployment: short
+    requests (only their first token is timed), each prompt on then off, the order flipped every
+    request pair, `rounds` times over the prompts: many adjacent pairs, so minutes of drift cancel."""
+    out: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(rounds):
+        for i, prompt in enumerate(PROMPTS.values()):
+            for speculate in (True, False) if (rep + i) % 2 == 0 else (False, True):
+                r = stream_chat(url, model, prompt, max_tokens, speculate, show=False)
+                out["on" if speculate else "off"].append(r.first_token_s)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument(
+        "--ttft-rounds", type=int, default=8, help="rounds of short on/off pairs over the prompts, timing first tokens"
+    )
+    parser.add_argument("--ttft-max-tokens", type=int, default=8, help="tokens each first-token request asks for")
     args = parser.parse_args()
     shipped = apps.shipped(args.config)
     sequential = apps.variant(shipped, {"router_pool": {"router": {"round_ahead": False}}})
@@ -73,17 +91,21 @@ def main() -> None:
         }
         runs = measure(urls, model, args.max_tokens, args.repeats)
         stats = serve.get_app_handle("ahead").stats.remote().result()
+        firsts = first_tokens(urls["ahead"], model, args.ttft_rounds, args.ttft_max_tokens)
     finally:
         serve.shutdown()
         ray.shutdown()
-    write(args, runs, stats)
+    write(args, runs, stats, firsts)
 
 
 def _rate(runs: list[Streamed]) -> float:
     return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
 
 
-def write(args: argparse.Namespace, runs: dict[str, list[list[Streamed]]], stats: dict[str, Any]) -> None:
+Runs = dict[str, list[list[Streamed]]]  # per mode, per prompt, each pass's stream
+
+
+def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: dict[str, list[float]]) -> None:
     rows = []
     for i, prompt in enumerate(PROMPTS):
         plain, seq = _rate(runs["plain"][i]), _rate(runs["sequential"][i])
@@ -105,9 +127,12 @@ def write(args: argparse.Namespace, runs: dict[str, list[list[Streamed]]], stats
         "round_ahead_vs_sequential": total("round-ahead") / total("sequential"),
         "speculation_vs_plain": total("round-ahead") / total("plain"),
         "sequential_vs_plain": total("sequential") / total("plain"),
-        "ttft_p50_on_s": ttft("round-ahead"),
-        "ttft_p50_off_s": ttft("plain"),
-        "ttft_p50_on_vs_off": ttft("round-ahead") / ttft("plain"),
+        # the first-token pairs (many adjacent samples); the long streams' own first tokens in the table
+        "ttft_p50_on_s": statistics.median(firsts["on"]),
+        "ttft_p50_off_s": statistics.median(firsts["off"]),
+        "ttft_p50_on_vs_off": statistics.median(firsts["on"]) / statistics.median(firsts["off"]),
+        "ttft_pairs": len(firsts["on"]),
+        "ttft_p50_streams_on_vs_off": ttft("round-ahead") / ttft("plain"),
         "predraft_hit_rate": stats.get("predraft_hit_rate", 0.0),
         "draft_hidden_share": stats.get("draft_hidden_share", 0.0),
         "draft_tokens_unverified": stats.get("draft_tokens_unverified", 0),
@@ -121,7 +146,10 @@ def write(args: argparse.Namespace, runs: dict[str, list[list[Streamed]]], stats
         "turn per prompt, their order reversed each pass). round-ahead: the YAML as shipped; sequential: the "
         "same YAML with `router.round_ahead: false`, deployed beside it; plain: `max_draft_tokens: 0` on the "
         "round-ahead deployment. L: acceptance length (tokens per target forward). Round-ahead figures: the "
-        "router's stats of the round-ahead deployment over the whole run.\n\n"
+        "router's stats of the round-ahead deployment over the whole run. ttft_p50_*: time to first token from "
+        f"{args.ttft_rounds} rounds over the prompts of {args.ttft_max_tokens}-token requests on the round-ahead "
+        "deployment, speculation on then off (order flipped each pair); ttft_p50_streams_on_vs_off: the same "
+        "ratio from the long streams above (fewer samples).\n\n"
         "| summary (all prompts' tokens over their seconds) | value |\n|---|---|\n"
         + "\n".join(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items())
         + "\n\n"
