@@ -58,18 +58,4 @@ def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
     with warnings.catch_warnings():  # torch.ao's deprecation notices: the kernels are what torch 2.13 ships
         warnings.simplefilter("ignore")
         out = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
-    _return_freed_memory()  # the float32 weights just dropped: without it the process keeps their pages
     return out
-
-
-def _return_freed_memory() -> None:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)

@@ -78,3 +78,16 @@ def padded_forward(runner, tokens, parents, logits_at=None) -> torch.Tensor | No
 def full_logits(model, tokens: list[int]) -> torch.Tensor:  # [V] the model's next-token logits after `tokens`
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0, -1]
+
+
+def joined_mid_stream(decoder, prompts: list[list[int]], params, steps_first: int = 3) -> list[list[int]]:
+    """Outputs in prompt order when the first prompt runs `steps_first` steps alone and the rest join then
+    (continuous batching); `decoder`: a `SpeculativeDecoder`."""
+    first = decoder.add(prompts[0], params)
+    for _ in range(steps_first):
+        decoder.step()
+    later = [decoder.add(p, params) for p in prompts[1:]]
+    while decoder.has_work:
+        decoder.step()
+    by_id = {s.seq_id: s.output for s in decoder.finished}
+    return [by_id[i] for i in [first, *later]]

@@ -156,9 +156,9 @@ class MedusaDrafter:
     """Proposals from the guesses the target's verifier stored (`TargetVerifier(heads=...)`): no forward
     here. A sequence with no guesses for its current length (its first round, a restart) drafts nothing."""
 
-    def __init__(self, guesses: dict[str, HeadGuesses], choices: Sequence[tuple[int, ...]]) -> None:
+    def __init__(self, guesses: dict[str, HeadGuesses], choices: Sequence[Sequence[int]], heads: int) -> None:
         self.guesses = guesses  # the verifier's, shared
-        self.choices = tuple(choices)
+        self.choices = check_choices(choices, heads)  # sorted parents first, as `choices_tree` reads them
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         out = []

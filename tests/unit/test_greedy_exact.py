@@ -17,7 +17,7 @@ from speculative.loading import quantized
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
-from tests.tiny_models import ARCHS, VOCAB, noisy_copy, reference_greedy, tiny_model
+from tests.tiny_models import ARCHS, VOCAB, joined_mid_stream, noisy_copy, reference_greedy, tiny_model
 
 NEW = 24
 # Different lengths; repeated n-grams so prompt lookup finds matches.
@@ -125,15 +125,7 @@ def test_fixed_depth_accepts_drafts_and_stays_exact(models, drafter):
 def test_sequences_joining_mid_stream_stay_exact(models):
     """Continuous batching: sequences added while others are half-way give the same tokens."""
     target, draft, refs = models
-    dec = decoder(target, draft, "tree")
-    first = dec.add(PROMPTS[0], GREEDY)
-    for _ in range(3):
-        dec.step()
-    later = [dec.add(p, GREEDY) for p in PROMPTS[1:]]
-    while dec.has_work:
-        dec.step()
-    by_id = {s.seq_id: s.output for s in dec.finished}
-    assert [by_id[i] for i in [first, *later]] == refs
+    assert joined_mid_stream(decoder(target, draft, "tree"), PROMPTS, GREEDY) == refs
 
 
 def test_perfect_draft_accepts_everything():

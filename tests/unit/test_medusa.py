@@ -22,7 +22,7 @@ from speculative.drafters.medusa import (
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
-from tests.tiny_models import VOCAB, reference_greedy, tiny_model
+from tests.tiny_models import VOCAB, joined_mid_stream, reference_greedy, tiny_model
 
 NEW = 24
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12], [20, 21, 22, 23, 24, 25, 26, 20, 21, 22], [7]]
@@ -45,7 +45,7 @@ def heads_for(target: torch.nn.Module, heads: int = 4, seed: int = 0) -> MedusaH
 
 def decoder(target, heads: MedusaHeads | None, choices=DEFAULT_CHOICES, max_depth: int = 4) -> SpeculativeDecoder:
     verifier = TargetVerifier(ModelRunner(target), heads=heads)
-    drafter = MedusaDrafter(verifier.guesses, check_choices(choices, 4)) if heads is not None else None
+    drafter = MedusaDrafter(verifier.guesses, choices, 4) if heads is not None else None
     return SpeculativeDecoder(verifier, drafter, DepthConfig(max_depth=max_depth, adaptive=False))
 
 
@@ -100,7 +100,7 @@ def test_tree_from_choices():
 
 def test_drafter_proposes_only_for_the_length_it_guessed_at():
     guesses = {"a": HeadGuesses(3, [[4], [6]])}
-    drafter = MedusaDrafter(guesses, CHAIN[:2])
+    drafter = MedusaDrafter(guesses, CHAIN[:2], 2)
     fresh, stale, unknown = drafter.propose(
         [
             DraftRequest("a", (1, 2, 3), 4, GREEDY),
@@ -127,14 +127,7 @@ def test_greedy_identical_to_the_target_alone(models, choices):
 def test_sequences_joining_mid_stream_stay_exact(models):
     target, heads, refs = models
     dec = decoder(target, heads)
-    first = dec.add(PROMPTS[0], GREEDY)
-    for _ in range(3):
-        dec.step()
-    later = [dec.add(p, GREEDY) for p in PROMPTS[1:]]
-    while dec.has_work:
-        dec.step()
-    by_id = {s.seq_id: s.output for s in dec.finished}
-    assert [by_id[i] for i in [first, *later]] == refs
+    assert joined_mid_stream(dec, PROMPTS, GREEDY) == refs
     assert not dec.target.guesses  # finished sequences' guesses are released
 
 
