@@ -60,14 +60,14 @@ def test_a_long_prompt_is_prefilled_between_the_rounds_of_four_streams(
     config = RouterConfig(pipelining=False, depth={"load_adaptive": False})
     router = Router(config, LocalPool([DraftWorker(draft_cfg)]), LocalPool([target]))  # type: ignore[arg-type]
     sizes: list[int] = []  # new tokens of every target forward
-    forward = ModelRunner.forward
+    forward = ModelRunner.forward_hidden  # every forward goes through it (`forward` adds the head)
 
     def counted(self: ModelRunner, tokens: list[list[int]], *args: Any) -> Any:
         if self.model.config._name_or_path == tiny_pair.target:
             sizes.append(sum(len(t) for t in tokens))
         return forward(self, tokens, *args)
 
-    monkeypatch.setattr(ModelRunner, "forward", counted)
+    monkeypatch.setattr(ModelRunner, "forward_hidden", counted)
     gen = torch.Generator().manual_seed(3)
     long_prompt = torch.randint(3, VOCAB, (12 * CHUNK,), generator=gen).tolist()
     short = [p for p, _ in prompts_and_lengths(4, seed=8)]
@@ -88,6 +88,7 @@ def test_a_long_prompt_is_prefilled_between_the_rounds_of_four_streams(
         return outs, await long_task, during
 
     outs, long_out, during = asyncio.run(scenario())
+    assert sizes, "the target's forwards were counted"
     for prompt, out in zip(short, outs, strict=True):
         assert out == hf_greedy(tiny_pair.target, prompt, 240)
     assert long_out["token_ids"] == hf_greedy(tiny_pair.target, long_prompt, 8)
