@@ -161,6 +161,15 @@ class RouterConfig(BaseModel):
         "it expects (speculative/ahead.py); a verdict that matches starts the next verify at once. Applies while "
         "a lane has one micro-batch group in flight (with two, ping-pong already keeps both pools busy).",
     )
+    ahead_alternatives: int = Field(
+        default=2,
+        ge=0,
+        le=8,
+        description="Besides the guess of the bonus at the end of the path it assumes accepted, a pre-draft drafts "
+        "this many branches where that path is likeliest cut (the draft's best other token there, by its own "
+        "confidence), so a verdict that rejects a draft token can still find its next round drafted. Each "
+        "widens the pre-draft's forwards by one token (near free while a forward reads weights, not computes).",
+    )
     ahead_prefill_tokens: int = Field(
         default=512,
         ge=0,

@@ -72,8 +72,10 @@ class DraftCalls:
 
 
 def draft_work(live: Live, request: DraftRequest) -> int:
-    """Tokens a draft call computes for this request: those the pool has not seen, then the drafts; and
-    from now on the pool has seen the request's tokens."""
-    work = max(len(request.tokens) - live.draft_seen, 1) + request.budget
+    """Tokens a draft call computes for this request: those the pool has not seen (and a pre-draft's spine,
+    forwarded again for its scores), then the drafts under every branch; and from now on the pool has seen
+    the request's tokens."""
+    branches = 1 + request.alternatives
+    work = max(len(request.tokens) - live.draft_seen, 1) + request.spine + branches * request.budget
     live.draft_seen = len(request.tokens)
     return work

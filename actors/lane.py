@@ -144,7 +144,14 @@ class Lane:
         a = v.ahead
         record = StepRecord(start, time.time(), d.work, v.work, d.seqs, v.seqs, v.tokens, d.replica, v.replica)
         if a is not None:
-            record = replace(record, ahead=a.work, ahead_tried=a.tried, ahead_hits=a.hits, unverified=a.unverified)
+            record = replace(
+                record,
+                ahead=a.work,
+                ahead_tried=a.tried,
+                ahead_hits=a.hits,
+                ahead_cut_hits=a.cut_hits,
+                unverified=a.unverified,
+            )
         self.ctx.record(record)
         self.ctx.metrics.draft_time(*record.draft_hidden)
 

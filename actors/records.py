@@ -42,6 +42,7 @@ class StepRecord:
     ahead: Work | None = None  # the pre-draft made beside this round's verify, if it answered in the round
     ahead_tried: int = 0  # sequences pre-drafted
     ahead_hits: int = 0  # of them, those whose pre-draft is the next round's proposal
+    ahead_cut_hits: int = 0  # of the hits, those on a branch where the verdict cut the assumed path
     unverified: int = 0  # pre-drafted tokens that will never be verified (misses, other guesses)
 
     @property

@@ -43,6 +43,7 @@ class Settled:
     tried: int
     hits: int
     unverified: int
+    cut_hits: int = 0  # of the hits, those whose verdict cut the assumed path (an alternative's branch)
 
 
 class RoundAhead:
@@ -94,7 +95,9 @@ class RoundAhead:
         for live, depth in picked:
             seq = live.seq
             tree = live.proposal.tree if live.proposal is not None else bare_proposal(seq).tree
-            request = ahead_request(seq.seq_id, tuple(seq.tokens), tree, depth, seq.params, len(seq.prompt))
+            alternatives = self.config.ahead_alternatives
+            tokens = tuple(seq.tokens)
+            request = ahead_request(seq.seq_id, tokens, tree, depth, seq.params, len(seq.prompt), alternatives)
             requests.append(request)
             paths.append(assumed_path(tree))
             work += draft_work(live, request)
@@ -133,13 +136,15 @@ class RoundAhead:
             self.calls.release[pre.group] += pre.released
             self.calls.failed(e)
             return None
-        hits, unverified = 0, 0
+        hits, cut_hits, unverified = 0, 0, 0
         for live, path, wire in zip(pre.lives, pre.paths, drafted.proposals, strict=True):
             verdict = committed.get(live.seq.seq_id)  # () while still prefilling
             alive = bool(verdict) and live.seq.seq_id in group and live.seq.finish_reason is None
-            taken = take_ahead(wire.decode(), path, verdict) if alive and verdict else None
-            unverified += wire.tree.size - (taken.tree.size if taken is not None else 0)
+            taken = take_ahead(wire.decode(), verdict) if alive and verdict else None
+            # the spine's nodes are round N's own drafts, verified there
+            unverified += wire.tree.size - len(path) - (taken.tree.size if taken is not None else 0)
             if taken is not None:
                 live.proposal, hits = WireProposal.encode(taken), hits + 1
+                cut_hits += len(verdict or ()) <= len(path)
         self.metrics.ahead(len(pre.lives), hits, "settled", unverified)
-        return Settled(drafted.work, len(pre.lives), hits, unverified)
+        return Settled(drafted.work, len(pre.lives), hits, unverified, cut_hits)

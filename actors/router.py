@@ -318,6 +318,7 @@ def summarize(records: list[StepRecord]) -> dict[str, Any]:
         # round ahead: pre-drafts that were the next round's proposal; draft time the verifies hid
         "predraft_sequences": tried,
         "predraft_hit_rate": sum(r.ahead_hits for r in records) / tried if tried else 0.0,
+        "predraft_cut_hits": sum(r.ahead_cut_hits for r in records),
         "draft_hidden_share": hidden / (hidden + sum(r.draft_hidden[1] for r in records)) if hidden else 0.0,
         "draft_tokens_unverified": sum(r.unverified for r in records),
         "verified_seqs_per_round": sum(r.verified_seqs for r in records) / n,

@@ -102,6 +102,11 @@ def _rate(runs: list[Streamed]) -> float:
     return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
 
 
+def _decode_rate(runs: list[Streamed]) -> float:
+    """Tokens after the first over the seconds after it: the stream's pace once the prompt is in."""
+    return sum(r.tokens - 1 for r in runs) / sum(r.seconds - r.first_token_s for r in runs)
+
+
 Runs = dict[str, list[list[Streamed]]]  # per mode, per prompt, each pass's stream
 
 
@@ -120,6 +125,9 @@ def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: d
     def total(mode: str) -> float:
         return _rate([r for per_prompt in runs[mode] for r in per_prompt])
 
+    def after_first(mode: str) -> float:
+        return _decode_rate([r for per_prompt in runs[mode] for r in per_prompt])
+
     def ttft(mode: str) -> float:
         return statistics.median(r.first_token_s for per_prompt in runs[mode] for r in per_prompt)
 
@@ -127,6 +135,8 @@ def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: d
         "round_ahead_vs_sequential": total("round-ahead") / total("sequential"),
         "speculation_vs_plain": total("round-ahead") / total("plain"),
         "sequential_vs_plain": total("sequential") / total("plain"),
+        # the same after each stream's first token (prefill, the same work in every mode, left out)
+        "round_ahead_vs_sequential_after_first_token": after_first("round-ahead") / after_first("sequential"),
         # the first-token pairs (many adjacent samples); the long streams' own first tokens in the table
         "ttft_p50_on_s": statistics.median(firsts["on"]),
         "ttft_p50_off_s": statistics.median(firsts["off"]),
@@ -134,6 +144,7 @@ def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: d
         "ttft_pairs": len(firsts["on"]),
         "ttft_p50_streams_on_vs_off": ttft("round-ahead") / ttft("plain"),
         "predraft_hit_rate": stats.get("predraft_hit_rate", 0.0),
+        "predraft_cut_hits": stats.get("predraft_cut_hits", 0),
         "draft_hidden_share": stats.get("draft_hidden_share", 0.0),
         "draft_tokens_unverified": stats.get("draft_tokens_unverified", 0),
         "predraft_sequences": stats.get("predraft_sequences", 0),

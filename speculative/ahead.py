@@ -1,18 +1,23 @@
 """Round-ahead drafting: the draft of round N+1 made while the target verifies round N.
 
 Glossary:
-- assumed path: the draft tokens of round N that the pre-draft takes as accepted, the tree's first
-  child at every depth (for top-k and chain drafts, the draft's most likely continuation);
-- guess: a child of the pre-draft's root, the draft's guess of round N's bonus token;
-- hit: the verdict accepted the whole assumed path and its bonus is one of the guesses; the subtree
-  under that guess is then round N+1's proposal, ready when the verdict arrives.
+- assumed path (the spine): the draft tokens of round N that the pre-draft takes as accepted, the tree's
+  first child at every depth (for top-k and chain drafts, the draft's most likely continuation);
+- guess: a child of the spine's end, the draft's guess of round N's bonus token;
+- alternative: a child of a spine node other than the spine's own, the draft's guess of the target's
+  token where the verdict cuts the spine (`DraftRequest.alternatives`, placed where the draft is least
+  sure of the spine);
+- hit: the verdict's tokens (accepted drafts, then the bonus) are a path of the pre-draft from its root;
+  the subtree under that path's end is then round N+1's proposal, ready when the verdict arrives.
 
-Worked example (a chain of 2, then a pre-draft of depth 2 under one guess):
+Worked example (a chain of 2, then a pre-draft of depth 2 with one alternative):
 
     committed  [.., 7]         round N drafts 7 -> [3, 9]
-    pre-draft  tokens [.., 7, 3, 9], budget 3  ->  chain [5, 2, 8]   (5 is the guess)
-    verdict    tokens (3, 9, 5): path accepted, bonus 5 == guess  ->  hit: round N+1 drafts 5 -> [2, 8]
-    verdict    tokens (3, 4):    path cut at 9                     ->  miss: redraft from [.., 7, 3, 4]
+    pre-draft  tokens [.., 7, 3, 9], spine 2, budget 3  ->  7 -> 3 -> 9 -> [5, 2, 8]   (5: the guess)
+                                                            7 -> 3 -> [4, 6, 1]      (4: an alternative)
+    verdict    tokens (3, 9, 5): a path to 5       ->  hit: round N+1 drafts 5 -> [2, 8]
+    verdict    tokens (3, 4):    cut at 9, a path  ->  hit: round N+1 drafts 4 -> [6, 1]
+    verdict    tokens (8,):      cut at 3          ->  miss: redraft from [.., 7, 8]
 
 A pre-draft is only a proposal: whatever it holds, the target's verdict decides every token, so it
 cannot change output under greedy decoding or deterministic drafts (the keyed target sample decides
@@ -40,21 +45,34 @@ def assumed_path(tree: TokenTree) -> list[int]:
 
 
 def ahead_request(
-    seq_id: str, tokens: tuple[int, ...], tree: TokenTree, depth: int, params: SamplingParams, prompt_len: int = 0
+    seq_id: str,
+    tokens: tuple[int, ...],
+    tree: TokenTree,
+    depth: int,
+    params: SamplingParams,
+    prompt_len: int = 0,
+    alternatives: int = 0,
 ) -> DraftRequest:
-    """The pre-draft for round N+1: `tokens` (committed) plus the assumed path as context, drafting the
-    guess and `depth` levels under it."""
-    return DraftRequest(seq_id, (*tokens, *assumed_path(tree)), depth + 1, params, prompt_len)
+    """The pre-draft for round N+1: `tokens` (committed) plus the assumed path as its spine, drafting the
+    guess and `depth` levels under it, and under each of `alternatives` branches where the spine may be cut."""
+    path = assumed_path(tree)
+    return DraftRequest(seq_id, (*tokens, *path), depth + 1, params, prompt_len, len(path), alternatives)
 
 
-def take_ahead(pre: Proposal, path: list[int], committed: tuple[int, ...]) -> Proposal | None:
-    """Round N+1's proposal from a pre-draft, if it was a hit; `committed`: round N's verdict tokens
-    (accepted draft tokens, then the bonus). None on a miss, or when the pre-draft was sampled."""
-    if pre.draft_probs is not None or list(committed[:-1]) != path:
+def take_ahead(pre: Proposal, committed: tuple[int, ...]) -> Proposal | None:
+    """Round N+1's proposal from a pre-draft (rooted at round N's root), if it was a hit; `committed`: round
+    N's verdict tokens (accepted draft tokens, then the bonus). None on a miss, when the subtree under the
+    verdict holds no draft, or when the pre-draft was sampled."""
+    if pre.draft_probs is not None or not committed:
         return None
-    tree, bonus = pre.tree, committed[-1]
-    guess = next((c for c in tree.children[0] if tree.tokens[c - 1] == bonus), None)
-    return None if guess is None else Proposal(subtree(tree, guess))
+    tree, node = pre.tree, 0
+    for token in committed:
+        child = next((c for c in tree.children[node] if tree.tokens[c - 1] == token), None)
+        if child is None:
+            return None
+        node = child
+    taken = subtree(tree, node)
+    return Proposal(taken) if taken.size else None
 
 
 def subtree(tree: TokenTree, node: int) -> TokenTree:

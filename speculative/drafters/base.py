@@ -25,6 +25,18 @@ class DraftRequest:
     budget: int  # most draft tokens along any path (speculation length); 0 = propose nothing
     params: SamplingParams
     prompt_len: int = 0  # how many of `tokens` are the prompt (output penalties, min_tokens)
+    # A pre-draft (speculative/ahead.py): the last `spine` of `tokens` are drafts assumed accepted, not
+    # committed. The tree is then rooted at the last committed token, holds the spine as its first path,
+    # drafts the guess of the bonus and `budget - 1` under it at the spine's end, and `alternatives`
+    # more branches where the spine is likeliest cut (the draft's best other token there, `budget - 1`
+    # under it), so a verdict that cuts the spine can still find its next round drafted.
+    spine: int = 0
+    alternatives: int = 0
+
+    @property
+    def committed(self) -> tuple[int, ...]:
+        """The tokens the target has committed: `tokens` without the spine."""
+        return self.tokens[: len(self.tokens) - self.spine]
 
 
 @dataclass(frozen=True)
@@ -50,4 +62,21 @@ class Drafter(Protocol):
 
 
 def empty_proposal(request: DraftRequest) -> Proposal:
-    return Proposal(TokenTree.chain(request.tokens[-1], []))
+    return Proposal(TokenTree.chain(request.committed[-1], []))
+
+
+def behind_spine(request: DraftRequest, proposal: Proposal) -> Proposal:
+    """A proposal drafted from all of a pre-draft's tokens (rooted at the spine's end), re-rooted at the last
+    committed token with the spine as its first path (no alternatives); unchanged without a spine.
+
+    tokens [.., 7, 3, 9] with spine 2 and the chain 9 -> [5, 2] give 7 -> [3, 9, 5, 2].
+    """
+    s = request.spine
+    if not s:
+        return proposal
+    if proposal.draft_probs is not None:
+        raise ValueError("a pre-draft's spine is for deterministic drafts; this one was sampled")
+    tree = proposal.tree
+    tokens = (*request.tokens[-s:], *tree.tokens)
+    parents = (*range(s), *(p + s for p in tree.parents))
+    return Proposal(TokenTree(request.committed[-1], tokens, parents))

@@ -20,10 +20,8 @@ class HybridDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         found = self.lookup.propose(requests)
-        use_lookup = [
-            p.tree.size >= min(self.min_lookup, r.budget) and p.tree.size > 0
-            for p, r in zip(found, requests, strict=True)
-        ]
+        drafted = [p.tree.size - r.spine for p, r in zip(found, requests, strict=True)]  # a pre-draft's spine aside
+        use_lookup = [n >= min(self.min_lookup, r.budget) and n > 0 for n, r in zip(drafted, requests, strict=True)]
         rest = [r for r, hit in zip(requests, use_lookup, strict=True) if not hit]
         modelled = iter(self.model.propose(rest) if rest else [])
         return [p if hit else next(modelled) for p, hit in zip(found, use_lookup, strict=True)]

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
+from speculative.drafters.base import DraftRequest, Proposal, behind_spine, empty_proposal
 from speculative.tree import TokenTree
 
 MATCH_REACH = 16  # how far back before a match its context is compared (the most a run counts)
@@ -86,7 +86,7 @@ class PromptLookupDrafter:
                 continue
             seq = torch.tensor(req.tokens, dtype=torch.long)
             draft = lookup_continuation(seq, self.max_ngram, self.min_ngram, req.budget)
-            out.append(Proposal(TokenTree.chain(req.tokens[-1], draft)))
+            out.append(behind_spine(req, Proposal(TokenTree.chain(req.tokens[-1], draft))))
         return out
 
     def match(self, tokens: Sequence[int], length: int) -> tuple[int, int]:

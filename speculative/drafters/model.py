@@ -9,7 +9,7 @@ not computed twice.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +74,11 @@ class DraftModelDrafter:
         return len(self.runner.rows)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        ahead = [r.spine > 0 and r.budget > 0 for r in requests]  # pre-drafts with a spine: their own forwards
+        drafted = iter(self._propose([r for r, a in zip(requests, ahead, strict=True) if not a]))
+        return [self._propose_ahead(r) if a else next(drafted) for r, a in zip(requests, ahead, strict=True)]
+
+    def _propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         active = [r for r in requests if r.budget > 0]
         if not active:
             return [empty_proposal(r) for r in requests]
@@ -103,6 +108,50 @@ class DraftModelDrafter:
         self._keep_likely_path(rows, trees)
         return [proposals.get(r.seq_id) or empty_proposal(r) for r in requests]
 
+    def _propose_ahead(self, req: DraftRequest) -> Proposal:
+        """A pre-draft with a spine (`DraftRequest.spine`), rooted at the last committed token.
+
+        One forward over the spine gives the draft's scores at each of its nodes; the guesses of the bonus
+        at its end (the drafter's width of them) and `alternatives` other tokens where the spine is likeliest
+        cut (ranked by the draft's own confidence: the spine's log-probability up to the cut plus the
+        alternative's) each head a chain of `budget - 1`, all grown one token per forward, so a pre-draft
+        costs the forwards of a plain one, each a few tokens wider. Deterministic drafts only.
+        """
+        if not req.params.greedy and self.sampled:
+            raise ValueError("a pre-draft's spine is for deterministic drafts; this drafter samples")
+        s, spine = req.spine, list(req.tokens[-req.spine :])
+        base = replace(req, tokens=req.committed, spine=0, alternatives=0)  # what the nodes' contexts extend
+        if req.seq_id not in self.runner.rows:
+            self.runner.add_rows([req.seq_id])
+        row = self.runner.row(req.seq_id)
+        heads = self.width + req.alternatives
+        self.runner.reserve(len(req.tokens) + heads * req.budget)
+        missing = self._catch_up([row], self.runner.sync([row], [list(base.tokens)]))[0] + spine
+        n = len(missing)
+        tokens: list[list[int]] = [[] for _ in self.runner.rows]
+        logits_at: list[list[int]] = [[] for _ in self.runner.rows]
+        tokens[row], logits_at[row] = missing, list(range(n - 1 - s, n))
+        logits, _ = self._forward(tokens, [chain_parents(len(t)) for t in tokens], logits_at)  # [s + 1, V]
+        nodes = [_Node(base.tokens[-1], -1, 0, 0.0, column=n - 1 - s)]
+        cuts: list[tuple[float, int, int]] = []  # (confidence, node, token): an alternative under that node
+        for j, tok in enumerate(spine):
+            confidence = torch.log_softmax(self._scores(base, nodes, j, logits[j]).float(), -1)  # [V]
+            other = next(t for t in torch.topk(confidence, 2).indices.tolist() if t != tok)
+            cuts.append((nodes[j].score + float(confidence[other]), j, other))
+            nodes.append(_Node(tok, j, j + 1, nodes[j].score + float(confidence[tok]), column=n - s + j))
+        self._expand(base, nodes, s, logits[s], s + 1)  # the guesses of the bonus
+        for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
+            nodes.append(_Node(tok, j, j + 1, nodes[j].score))
+        leaves = list(range(s + 1, len(nodes)))
+        for _ in range(req.budget - 1):
+            logits, _ = self._forward_frontier([row], [nodes], [leaves])
+            for k, leaf in enumerate(leaves):
+                self._expand(base, nodes, leaf, logits[k], nodes[leaf].depth + 1, width=1)
+            leaves = list(range(len(nodes) - len(leaves), len(nodes)))
+        proposal = self._proposal(base, nodes)
+        self._keep_likely_path([row], [nodes])
+        return proposal
+
     def _catch_up(self, rows: list[int], missing: list[list[int]]) -> list[list[int]]:
         """Commit chunks of long catch-ups ahead of the drafting forwards; what each row still misses."""
         size = self.catch_up_chunk
@@ -114,9 +163,9 @@ class DraftModelDrafter:
             missing = [m[len(chunk[row]) :] for row, m in zip(rows, missing, strict=True)]
         return missing
 
-    def _expand(self, req: DraftRequest, nodes: list[_Node], idx: int, logits: torch.Tensor, depth: int) -> None:
-        """Add the children of node `idx`; logits: [V_draft] next-token logits at that node."""
-        path = self._path_tokens(nodes, idx)
+    def _scores(self, req: DraftRequest, nodes: list[_Node], idx: int, logits: torch.Tensor) -> torch.Tensor:
+        """[V] the draft's scores of node `idx`'s next token (`logits`: [V_draft] there), processed as the
+        target's are."""
         scores = logits[None, : self.vocab]  # [1, V]
         params = req.params
         if params.grammar is not None and (self.grammars is None or self.grammars.unavailable()):
@@ -124,22 +173,32 @@ class DraftModelDrafter:
             params = params.model_copy(update={"grammar": None})
         if processes(params):  # the target's processors, on this node's context
             context = node_context(req.seq_id, req.tokens, req.prompt_len, params, self.eos_ids, self.grammars)
-            scores = processed(scores, context, [path], params)
-        q = probs_from_logits(scores, req.params)[0]  # [V]
+            scores = processed(scores, context, [self._path_tokens(nodes, idx)], params)
+        return scores[0]
+
+    def _expand(
+        self, req: DraftRequest, nodes: list[_Node], idx: int, logits: torch.Tensor, depth: int, width: int = 0
+    ) -> None:
+        """Add the children of node `idx` (`width` of them; 0: the drafter's); logits: [V_draft] next-token
+        logits at that node."""
+        scores = self._scores(req, nodes, idx, logits)  # [V]
+        q = probs_from_logits(scores[None], req.params)[0]  # [V]
         nodes[idx].probs = q
-        for tok in self._children(req, q, scores[0], depth, idx):
+        for tok in self._children(req, q, scores, depth, idx, width or self.width):
             prob = float(q[tok])
             score = nodes[idx].score + (math.log(prob) if prob > 0 else -1e9)
             nodes.append(_Node(tok, idx, depth, score))
 
-    def _children(self, req: DraftRequest, q: torch.Tensor, scores: torch.Tensor, depth: int, idx: int) -> list[int]:
+    def _children(
+        self, req: DraftRequest, q: torch.Tensor, scores: torch.Tensor, depth: int, idx: int, width: int
+    ) -> list[int]:
         """Top-k by draft score (deterministic), or sampled from q without replacement."""
         if req.params.greedy or not self.sampled:
-            return torch.topk(scores, self.width).indices.tolist()
+            return torch.topk(scores, width).indices.tolist()
         position = len(req.tokens) + depth - 1  # position of the drafted child
         q = q.clone()
         out: list[int] = []
-        for c in range(min(self.width, int((q > 0).sum()))):
+        for c in range(min(width, int((q > 0).sum()))):
             tok = sample(q, uniform(req.params.seed, position, Stream.DRAFT, idx * 64 + c))
             out.append(tok)
             q[tok] = 0.0

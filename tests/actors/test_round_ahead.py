@@ -28,9 +28,11 @@ def test_round_ahead_greedy_identical_to_the_target_alone_hits_and_misses(tiny_p
     for (prompt, max_new), result in zip(requests, results, strict=True):
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
     stats = asyncio.run(router.stats())
-    print({k: stats[k] for k in ("predraft_sequences", "predraft_hit_rate", "draft_tokens_unverified")})
+    shown = ("predraft_sequences", "predraft_hit_rate", "predraft_cut_hits", "draft_tokens_unverified")
+    print({k: stats[k] for k in shown})
     assert stats["predraft_sequences"] > len(requests), "pre-drafts beyond the prefill rounds"
     assert 0.0 < stats["predraft_hit_rate"] < 1.0, "both hits and misses were exercised"
+    assert stats["predraft_cut_hits"] > 0, "verdicts that cut the assumed path found an alternative's branch"
     assert stats["draft_tokens_unverified"] > 0
     assert sum(r["usage"]["accepted"] for r in results) > 0
 
