@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument(
-        "--ttft-rounds", type=int, default=8, help="rounds of short on/off pairs over the prompts, timing first tokens"
+        "--ttft-rounds", type=int, default=12, help="rounds of short on/off pairs over the prompts, timing first tokens"
     )
     parser.add_argument("--ttft-max-tokens", type=int, default=8, help="tokens each first-token request asks for")
     args = parser.parse_args()
