@@ -101,6 +101,20 @@ class DraftWorkerConfig(BaseModel):
     )
 
 
+class MedusaHeadsConfig(BaseModel):
+    """Medusa heads a target replica runs beside its model (speculative/drafters/medusa.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(
+        min_length=1,
+        description="A folder in FasterDecoding/Medusa's layout: config.json and medusa_lm_head.safetensors (or .pt).",
+    )
+    top: int = Field(
+        default=4, ge=1, le=64, description="Best tokens kept per head after each verdict (the trees' widest rank + 1)."
+    )
+
+
 class TargetConfig(BaseModel):
     """One target replica: `tp_size` shard actors holding one tensor-parallel copy of the target."""
 
@@ -138,6 +152,11 @@ class TargetConfig(BaseModel):
     )
     shard_start_timeout_s: float = Field(
         default=900.0, gt=0, le=7_200, description="Loading plus the first DeepSpeed compile may take minutes."
+    )
+    medusa: MedusaHeadsConfig | None = Field(
+        default=None,
+        description="Medusa heads read at each verdict's bonus token, their guesses sent back with the verdict "
+        "(drafter kind medusa); replicated on every tensor-parallel shard, which all hold the full hidden state.",
     )
 
     @model_validator(mode="after")
@@ -212,6 +231,11 @@ class RouterConfig(BaseModel):
         default=None,
         description="(max, min) suffix n-gram of prompt lookup (set from the drafter config): the router drafts "
         "by lookup itself (it costs nothing), depths following each sequence's current match.",
+    )
+    medusa_choices: tuple[tuple[int, ...], ...] | None = Field(
+        default=None,
+        description="Drafter kind medusa (set from the drafter config): the lane drafts the tree of these Medusa "
+        "choices from the guesses of the target's heads that came back with each verdict, at no draft cost.",
     )
     lookup_quotes: bool = Field(
         default=False,

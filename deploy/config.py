@@ -16,6 +16,7 @@ from actors.config import (
     Dtype,
     KvBudgetTokens,
     KvMemoryFraction,
+    MedusaHeadsConfig,
     ModelConfig,
     Quantize,
     RouterConfig,
@@ -304,7 +305,14 @@ class AppConfig(BaseModel):
             prefill_chunk_tokens=pool.prefill_chunk_tokens,
             kv_budget_tokens=pool.kv_budget_tokens,
             kv_memory_fraction=pool.kv_memory_fraction,
+            medusa=self._medusa(),
         )
+
+    def _medusa(self) -> MedusaHeadsConfig | None:
+        drafter = self.drafter
+        if drafter.kind != "medusa" or drafter.medusa_heads is None:
+            return None
+        return MedusaHeadsConfig(path=drafter.medusa_heads, top=drafter.medusa_top)
 
     def router(self) -> RouterConfig:
         drafter = self.drafter
@@ -314,5 +322,6 @@ class AppConfig(BaseModel):
             "drafts_sampled": drafter.drafts_sampled,
             "lookup_ngrams": lookup,
             "lookup_quotes": drafter.lookup_quotes,
+            "medusa_choices": drafter.medusa_choices if drafter.kind == "medusa" else None,
         }
         return self.router_pool.router.model_copy(update=update)

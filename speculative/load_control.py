@@ -182,6 +182,7 @@ def plan_depths(
     lookup: PromptLookupDrafter | None = None,
     lookup_quotes: bool = False,
     extra_levels: int = 0,
+    free_drafts: bool = False,
 ) -> Plan:
     """The round's plan: each sequence's depth within its room and `cap`, priced by `costs` where
     `config.load_adaptive` (not sequences whose tokens depend on depth: sampled drafts).
@@ -191,6 +192,7 @@ def plan_depths(
     quotes (runs of QUOTE_RUN or more; greedy or deterministic drafts), free and as deep as the quote
     goes, so they still pay under load where the draft model does not; the draft model drafts the rest.
     `extra_levels`: draft forwards beyond the depth (a pre-draft drafts its guess of the bonus first).
+    `free_drafts`: every draft costs nothing to make (Medusa heads' guesses, computed inside the verify).
     """
     priced = costs if config.load_adaptive else None
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
@@ -201,7 +203,7 @@ def plan_depths(
     matches = _lookup_matches(seqs, room, wants, capped, cap, lookup, lookup_quotes)
     wants = [found if n else min(w, found) for w, (n, found) in zip(wants, matches, strict=True)]
     runs = [n for n, _ in matches]
-    free = [bool(n) for n in runs]  # drafts by lookup: no draft forward, nothing to catch up on
+    free = [bool(n) or free_drafts for n in runs]  # lookup, heads: no draft forward, nothing to catch up on
     catch_ups = [0 if f else catch_up(s) for s, f in zip(seqs, free, strict=True)]  # lookup keeps no cache
     if priced is None:
         return Plan([min(w, cap) for w in wants], runs, catch_ups, None)

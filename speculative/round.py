@@ -65,6 +65,7 @@ class Speculation:
     lookup_quotes: bool = False  # `lookup` sits beside a draft model and drafts only quoting sequences
     eos_ids: frozenset[int] = frozenset()
     decode: Callable[[list[int]], str] | None = None
+    free_drafts: bool = False  # drafts cost nothing to make (Medusa heads' guesses, made inside the verify)
 
     def depths(
         self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False, extra_levels: int = 0
@@ -82,6 +83,7 @@ class Speculation:
             self.lookup,
             self.lookup_quotes,
             extra_levels,
+            self.free_drafts,
         )
 
     def own(self, seq: Sequence, batch: int, queued: int = 0) -> int:

@@ -101,25 +101,30 @@ class TargetVerifier:
         verdicts, keep = self._verdicts(items, rows, forward, logits)
         self.runner.commit(keep)
         if self.heads is not None and hidden is not None:
-            self._guess(items, rows, forward, verdicts, hidden)
+            verdicts = self._guess(items, rows, forward, verdicts, hidden)
         return verdicts
 
     def _guess(
         self, items: list[VerifyItem], rows: list[int], forward: _Forward, verdicts: list[Verdict], hidden: torch.Tensor
-    ) -> None:
-        """The heads' guesses from the hidden state each verdict's bonus token came from (its last kept node)."""
+    ) -> list[Verdict]:
+        """The heads' guesses from the hidden state each verdict's bonus token came from (its last kept node):
+        kept in `guesses` and carried by the verdicts (those still prefilling have none)."""
         assert self.heads is not None
         starts = row_offsets([len(a) for a in forward.logits_at])
         triples = zip(items, rows, verdicts, strict=True)
-        done = [(item, starts[row] + v.path[-1], v) for item, row, v in triples if v.tokens]
+        done = [(k, starts[row] + v.path[-1]) for k, (_, row, v) in enumerate(triples) if v.tokens]
         if not done:
-            return
-        at = torch.tensor([i for _, i, _ in done], device=hidden.device)
+            return verdicts
+        at = torch.tensor([i for _, i in done], device=hidden.device)
         dtype = next(self.heads.parameters()).dtype
         with torch.no_grad():
             top = self.heads.top(hidden[at].to(dtype), self.heads_top).tolist()  # [N][K][k]
-        for (item, _, verdict), guessed in zip(done, top, strict=True):
+        out = list(verdicts)
+        for (k, _), guessed in zip(done, top, strict=True):
+            item, verdict = items[k], verdicts[k]
             self.guesses[item.seq_id] = HeadGuesses(len(item.tokens) + len(verdict.tokens), guessed)
+            out[k] = replace(verdict, guesses=tuple(tuple(g) for g in guessed))
+        return out
 
     def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:
         """Each row's catch-up chain with its tree hung after it, within the prefill chunk."""

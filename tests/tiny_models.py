@@ -7,6 +7,8 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel, Qwen2Config
 
+from speculative.drafters.medusa import MedusaHeads
+
 VOCAB = 96
 ARCHS = ("llama", "qwen2", "gpt2")
 
@@ -91,3 +93,16 @@ def joined_mid_stream(decoder, prompts: list[list[int]], params, steps_first: in
         decoder.step()
     by_id = {s.seq_id: s.output for s in decoder.finished}
     return [by_id[i] for i in [first, *later]]
+
+
+def heads_for(target: torch.nn.Module, heads: int = 4, seed: int = 0) -> MedusaHeads:
+    """Random heads laid out as Medusa initialises them: each projection a noisy copy of the target's LM
+    head (so a head's guesses are sometimes right), the residual blocks random and small."""
+    torch.manual_seed(seed)
+    lm_head = target.get_output_embeddings().weight
+    module = MedusaHeads(lm_head.shape[1], lm_head.shape[0], heads)
+    with torch.no_grad():
+        for head in module.medusa_head:
+            head[0].linear.weight.mul_(0.1)
+            head[-1].weight.copy_(lm_head + 0.3 * lm_head.std() * torch.randn_like(lm_head))
+    return module.eval()

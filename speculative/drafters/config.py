@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from speculative.drafters.base import Drafter
 from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.drafters.medusa import DEFAULT_CHOICES, check_choices
 from speculative.drafters.model import DraftModelDrafter
 from speculative.grammar import GrammarCompiler
 from speculative.loading import eos_ids_of
@@ -21,10 +22,11 @@ class DrafterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["none", "model", "lookup", "hybrid"] = Field(
+    kind: Literal["none", "model", "lookup", "hybrid", "medusa"] = Field(
         "model",
         description="none: plain decoding; model: a draft LM; lookup: n-gram prompt lookup; "
-        "hybrid: lookup where it finds a match, else the draft LM.",
+        "hybrid: lookup where it finds a match, else the draft LM; medusa: Medusa heads on the target "
+        "(`medusa_heads`), their guesses drafted as the tree of `medusa_choices`, no draft pool.",
     )
     tree_width: int = Field(
         1, ge=1, le=16, description="1 drafts a chain; w > 1 gives each expanded node w children, w nodes per depth."
@@ -42,6 +44,15 @@ class DrafterConfig(BaseModel):
         "on the drafter (greedy, or deterministic drafts). Under load quotes pay where the draft model no longer does. "
         "Always False for the other kinds (only a draft model has lookup drafted beside it).",
     )
+    medusa_heads: str | None = Field(
+        None, description="medusa: the heads' folder, in FasterDecoding/Medusa's layout (config.json + weights)."
+    )
+    medusa_choices: tuple[tuple[int, ...], ...] = Field(
+        DEFAULT_CHOICES,
+        description="medusa: the tree as Medusa choices, each a path of top-k ranks, one per head from the first "
+        "(every prefix of a choice a choice too); the default has 15 nodes over 4 heads.",
+    )
+    medusa_top: int = Field(4, ge=1, le=64, description="medusa: best tokens kept per head (choices rank below it).")
     max_ngram: int = Field(3, ge=1, le=16, description="lookup: longest suffix n-gram matched.")
     min_ngram: int = Field(1, ge=1, le=16, description="lookup: shortest suffix n-gram matched.")
 
@@ -52,6 +63,17 @@ class DrafterConfig(BaseModel):
         if isinstance(data, dict) and data.get("kind", "model") != "model":
             data = {**data, "lookup_quotes": False}
         return data
+
+    @model_validator(mode="after")
+    def _medusa_needs_heads(self) -> DrafterConfig:
+        if self.kind == "medusa":
+            if self.medusa_heads is None:
+                raise ValueError("medusa_heads: drafter kind 'medusa' needs the heads' folder")
+            check_choices(self.medusa_choices, max(map(len, self.medusa_choices), default=0))
+            deepest_rank = max((max(c) for c in self.medusa_choices), default=0)
+            if deepest_rank >= self.medusa_top:
+                raise ValueError(f"medusa_choices: rank {deepest_rank} needs medusa_top > {deepest_rank}")
+        return self
 
     @property
     def drafts_sampled(self) -> bool:
@@ -71,6 +93,8 @@ def build_drafter(
         return None
     if config.kind == "lookup":
         return PromptLookupDrafter(config.max_ngram, config.min_ngram)
+    if config.kind == "medusa":
+        raise ValueError("drafter kind 'medusa' drafts from the target's heads (TargetVerifier(heads=...))")
     if draft_model is None:
         raise ValueError(f"drafter kind {config.kind!r} needs a draft model")
     model = DraftModelDrafter(

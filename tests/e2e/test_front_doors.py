@@ -99,33 +99,43 @@ def test_chat_with_the_openai_client_equals_the_target(served: dict) -> None:
     assert client(served).models.list().data[0].id == MODEL_NAME
 
 
-def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
-    prompt = [12, 13, 14, 15, 12, 13]
-    expected = reference(served["root"], prompt)
+METADATA = (("application", "specserve"),)
+
+
+def grpc_greedy(address: str, prompt: list[int]) -> tuple[pb.GenerateResponse, list[int]]:
+    """A greedy request for MAX_NEW tokens over gRPC, unary and streamed: the answer and the streamed ids."""
     request = pb.GenerateRequest(
         model=MODEL_NAME,
         token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
     )
-    metadata = (("application", "specserve"),)
 
     async def call() -> tuple[pb.GenerateResponse, list[int]]:
-        async with grpc.aio.insecure_channel(served["grpc"]) as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.SpecServeStub(channel)
-            unary = await stub.Generate(request, metadata=metadata)
-            streamed = [t async for m in stub.GenerateStream(request, metadata=metadata) for t in m.token_ids]
-            with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await stub.Generate(
-                    pb.GenerateRequest(model=MODEL_NAME, text="hi", sampling=pb.SamplingParams(temperature=-1)),
-                    metadata=metadata,
-                )
-            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "temperature" in (bad.value.details() or "")
+            unary = await stub.Generate(request, metadata=METADATA)
+            streamed = [t async for m in stub.GenerateStream(request, metadata=METADATA) for t in m.token_ids]
             return unary, streamed
 
-    unary, streamed = asyncio.run(call())
+    return asyncio.run(call())
+
+
+def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
+    prompt = [12, 13, 14, 15, 12, 13]
+    expected = reference(served["root"], prompt)
+    unary, streamed = grpc_greedy(served["grpc"], prompt)
     assert list(unary.token_ids) == expected and streamed == expected
     assert unary.finish_reason == pb.FINISH_REASON_LENGTH
+
+    async def bad_call() -> None:
+        async with grpc.aio.insecure_channel(served["grpc"]) as channel:
+            bad_request = pb.GenerateRequest(model=MODEL_NAME, text="hi", sampling=pb.SamplingParams(temperature=-1))
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await pb_grpc.SpecServeStub(channel).Generate(bad_request, metadata=METADATA)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "temperature" in (bad.value.details() or "")
+
+    asyncio.run(bad_call())
 
 
 @pytest.mark.parametrize(

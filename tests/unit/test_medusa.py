@@ -22,25 +22,12 @@ from speculative.drafters.medusa import (
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
-from tests.tiny_models import VOCAB, joined_mid_stream, reference_greedy, tiny_model
+from tests.tiny_models import VOCAB, heads_for, joined_mid_stream, reference_greedy, tiny_model
 
 NEW = 24
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12], [20, 21, 22, 23, 24, 25, 26, 20, 21, 22], [7]]
 CHAIN = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
-
-
-def heads_for(target: torch.nn.Module, heads: int = 4, seed: int = 0) -> MedusaHeads:
-    """Random heads laid out as Medusa initialises them: each projection a noisy copy of the target's LM
-    head (so a head's guesses are sometimes right), the residual blocks random and small."""
-    torch.manual_seed(seed)
-    lm_head = target.get_output_embeddings().weight
-    module = MedusaHeads(lm_head.shape[1], lm_head.shape[0], heads)
-    with torch.no_grad():
-        for head in module.medusa_head:
-            head[0].linear.weight.mul_(0.1)
-            head[-1].weight.copy_(lm_head + 0.3 * lm_head.std() * torch.randn_like(lm_head))
-    return module.eval()
 
 
 def decoder(target, heads: MedusaHeads | None, choices=DEFAULT_CHOICES, max_depth: int = 4) -> SpeculativeDecoder:
