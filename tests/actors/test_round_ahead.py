@@ -23,7 +23,10 @@ def test_round_ahead_greedy_identical_to_the_target_alone_hits_and_misses(tiny_p
     """At one stream the draft pre-drafts every round beside the verify; the noisy-copy draft makes
     both hits and misses, and every token is the target's own."""
     requests = prompts_and_lengths(8, seed=21)
-    router = make_router(tiny_pair)
+    # Depths by acceptance alone, and every verify slower than a pre-draft: what is drafted and taken does
+    # not depend on which tiny forward was quicker (the load control prices the draft at the target's cost).
+    depth = {"load_adaptive": False}
+    router = with_slow_verifies(make_router(tiny_pair, depth=depth), every=True, delay_s=0.05)
     results = asyncio.run(one_at_a_time(router, requests, {"temperature": 0.0}))
     for (prompt, max_new), result in zip(requests, results, strict=True):
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
@@ -35,26 +38,32 @@ def test_round_ahead_greedy_identical_to_the_target_alone_hits_and_misses(tiny_p
     assert stats["predraft_cut_hits"] > 0, "verdicts that cut the assumed path found an alternative's branch"
     assert stats["draft_tokens_unverified"] > 0
     assert sum(r["usage"]["accepted"] for r in results) > 0
+    # Without alternatives, a verdict that cuts the assumed path always misses.
+    plain = with_slow_verifies(make_router(tiny_pair, depth=depth, ahead_alternatives=0), every=True, delay_s=0.05)
+    plain_results = asyncio.run(one_at_a_time(plain, requests, {"temperature": 0.0}))
+    assert [r["token_ids"] for r in plain_results] == [r["token_ids"] for r in results]
+    without = asyncio.run(plain.stats())
+    assert without["predraft_cut_hits"] == 0 and without["predraft_hit_rate"] < stats["predraft_hit_rate"]
 
 
-class SlowPrefill:
-    """A target pool whose first verify (the prefill) takes `delay_s` longer: the pre-draft made beside it
-    (the draft worker's first call, which also warms it up) always answers within the round, so the
-    assertions below are about what was drafted, never about which call was quicker."""
+class SlowVerifies:
+    """A target pool whose first verify (the prefill), or `every` verify, takes `delay_s` longer: the pre-draft
+    made beside it (the draft worker's first call, which also warms it up) always answers within the round,
+    so assertions are about what was drafted, never about which call was quicker."""
 
-    def __init__(self, inner: object, delay_s: float = 2.0) -> None:
-        self.inner, self.delay_s, self.verifies = inner, delay_s, 0
+    def __init__(self, inner: object, delay_s: float, every: bool) -> None:
+        self.inner, self.delay_s, self.every, self.verifies = inner, delay_s, every, 0
 
     async def call(self, method: str, lane: str | None, *args: object) -> object:
         if method == "verify":
             self.verifies += 1
-            if self.verifies == 1:
+            if self.every or self.verifies == 1:
                 await asyncio.sleep(self.delay_s)
         return await self.inner.call(method, lane, *args)  # type: ignore[attr-defined]
 
 
-def with_slow_prefill(router: Router) -> Router:
-    router._target = SlowPrefill(router._target)  # type: ignore[assignment]
+def with_slow_verifies(router: Router, every: bool = False, delay_s: float = 2.0) -> Router:
+    router._target = SlowVerifies(router._target, delay_s, every)  # type: ignore[assignment]
     return router
 
 
@@ -62,7 +71,7 @@ def test_a_prompt_is_caught_up_on_beside_the_target_prefill(tiny_pair: TinyPair)
     """The first draft call of a sequence rides beside its prefill verify: the draft model has the prompt
     before the second round, whose proposal is the pre-draft when the target's first token matched."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
-    router = with_slow_prefill(make_router(tiny_pair))
+    router = with_slow_verifies(make_router(tiny_pair))
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
     first = router._records[0]
@@ -138,7 +147,7 @@ def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_beside_its_prefi
     the target's either way."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
     for limit, pre_drafted in ((len(prompt), True), (len(prompt) - 1, False)):
-        router = with_slow_prefill(make_router(tiny_pair, ahead_prefill_tokens=limit))
+        router = with_slow_verifies(make_router(tiny_pair, ahead_prefill_tokens=limit))
         result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 12}))
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 12)
         first = router._records[0]

@@ -37,6 +37,7 @@ from scipy import stats
 
 from speculative.acceptance import Draw, Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
 from speculative.drafters.base import Proposal
+from speculative.drafters.medusa import check_choices, choices_tree
 from speculative.processing import NodeContext, processed
 from speculative.rng import Stream, sample, uniform
 from speculative.sampling import GrammarSpec, SamplingParams, probs_from_logits
@@ -280,6 +281,28 @@ BROKEN_RULES: dict[str, RejectionRule] = {
 class Case:
     drafter: Drafter
     rejection: RejectionRule | None  # None: deterministic draft, target-sample matching
+    propose: Callable[[str, tuple[int, ...]], Draft] | None = None  # another drafter than the draft model's
+
+
+# Medusa: head 0 guesses the token after the root, head 1 the one after that without seeing it; the tree of
+# these choices (production `choices_tree`): the root's 3 best by head 0, under the best the 2 best of head 1,
+# under the second the best of head 1.
+MEDUSA_CHOICES = check_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], heads=2)
+
+
+@cache
+def _medusa_draft(setting: str, emitted: tuple[int, ...]) -> Draft:
+    """Toy Medusa heads on the toy draft: head 0 ranks the next token by the draft's scores there, head 1 the
+    token after it by the draft's two-step marginal (sum over x of q(x) q(. | x)), both deterministic."""
+    t = _tables(setting)
+    root = SUFFIX_ROW[emitted]
+    head0 = torch.topk(t.draft_scores[root], 3).indices.tolist()
+    q = t.q[root]  # [V]
+    two_step = sum(q[x] * t.q[SUFFIX_ROW[(*emitted, x)]] for x in range(V))  # [V]
+    head1 = torch.topk(torch.as_tensor(two_step), 2).indices.tolist()
+    tree = choices_tree(PROMPT[-1], [head0, head1], MEDUSA_CHOICES, depth=2)
+    rows = tuple(SUFFIX_ROW[(*emitted, *tree.path_tokens(n))] if n else root for n in range(tree.size + 1))
+    return _assemble(setting, tree.tokens, tree.parents, rows, None)
 
 
 RULES = {
@@ -293,6 +316,8 @@ RULES = {
     "topk-tree": Case(Drafter(width=2, max_nodes=4, budget=2, sampled=False), None),
     # (d) plain sampling: an empty tree.
     "plain": Case(Drafter(width=1, max_nodes=1, budget=0, sampled=False), None),
+    # (e) Medusa heads' tree of choices (deterministic), verified by target-sample matching.
+    "medusa": Case(Drafter(width=1, max_nodes=1, budget=0, sampled=False), None, _medusa_draft),
 }
 
 
@@ -302,7 +327,7 @@ def _target_draws(seed: int, base: int) -> Draw:
 
 
 def _step(case: Case, setting: str, seed: int, emitted: tuple[int, ...], replay: bool) -> Verdict:
-    draft = _draft(case.drafter, setting, seed, emitted)
+    draft = case.propose(setting, emitted) if case.propose else _draft(case.drafter, setting, seed, emitted)
     tree, q = draft.proposal.tree, draft.proposal.draft_probs
     draw = _target_draws(seed, len(PROMPT) + len(emitted))
     if case.rejection is None:
@@ -487,6 +512,8 @@ def test_drafted_tree_shapes() -> None:
     assert sorted(len(tree.tree.children[n]) for n in (1, 2, 3)) == [0, 3, 3]
     assert topk.tree.parents == (0, 0, 1, 1) and topk.draft_probs is None
     assert plain.tree.size == 0 and plain.draft_probs is None
+    medusa = _medusa_draft("t1", ()).proposal
+    assert medusa.tree.parents == (0, 0, 0, 1, 1, 2) and medusa.draft_probs is None
     # top-k 3 leaves q three tokens: the sampled root children are exactly them
     topk3 = _draft(RULES["tree"].drafter, "topk3", 3, ()).proposal
     support = set(torch.nonzero(_tables("topk3").q[SUFFIX_ROW[()]]).flatten().tolist())
