@@ -137,7 +137,8 @@ class DraftModelDrafter:
         for j, tok in enumerate(spine):
             confidence = torch.log_softmax(self._scores(base, nodes, j, logits[j]).float(), -1)  # [V]
             other = next(t for t in torch.topk(confidence, 2).indices.tolist() if t != tok)
-            cuts.append((nodes[j].score + float(confidence[other]), j, other))
+            if math.isfinite(float(confidence[other])):  # not a token the request's processors rule out
+                cuts.append((nodes[j].score + float(confidence[other]), j, other))
             nodes.append(_Node(tok, j, j + 1, nodes[j].score + float(confidence[tok]), column=n - s + j))
         self._expand(base, nodes, s, logits[s], s + 1)  # the guesses of the bonus
         for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
