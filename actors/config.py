@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
+from speculative.drafters.medusa import DEFAULT_CHOICES
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Quantize = Literal["none", "int8"]
@@ -113,6 +114,24 @@ class MedusaHeadsConfig(BaseModel):
     top: int = Field(
         default=4, ge=1, le=64, description="Best tokens kept per head after each verdict (the trees' widest rank + 1)."
     )
+    choices: tuple[tuple[int, ...], ...] = Field(
+        default=DEFAULT_CHOICES,
+        description="The tree as Medusa choices (paths of top-k ranks, one per head), drafted after each verdict.",
+    )
+
+
+class EagleHeadConfig(BaseModel):
+    """An EAGLE head a target replica runs beside its model (speculative/drafters/eagle.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(
+        min_length=1,
+        description="A folder in SafeAILab/EAGLE's layout: config.json and pytorch_model.bin (or safetensors).",
+    )
+    top_k: int = Field(default=4, ge=1, le=32, description="Nodes expanded per depth, children per expanded node.")
+    depth: int = Field(default=5, ge=1, le=16, description="Depths of the dynamic tree.")
+    nodes: int = Field(default=16, ge=1, le=256, description="The tree's best-scored nodes kept.")
 
 
 class TargetConfig(BaseModel):
@@ -155,8 +174,15 @@ class TargetConfig(BaseModel):
     )
     medusa: MedusaHeadsConfig | None = Field(
         default=None,
-        description="Medusa heads read at each verdict's bonus token, their guesses sent back with the verdict "
-        "(drafter kind medusa); replicated on every tensor-parallel shard, which all hold the full hidden state.",
+        description="Medusa heads read at each verdict's bonus token, the tree of their guesses sent back with the "
+        "verdict (drafter kind medusa); replicated on every tensor-parallel shard, which all hold the full hidden "
+        "state.",
+    )
+    eagle: EagleHeadConfig | None = Field(
+        default=None,
+        description="An EAGLE head over the features of every kept position, its dynamic tree sent back with the "
+        "verdict (drafter kind eagle); replicated on every tensor-parallel shard, using the target's embedding "
+        "and LM head.",
     )
 
     @model_validator(mode="after")
@@ -232,10 +258,10 @@ class RouterConfig(BaseModel):
         description="(max, min) suffix n-gram of prompt lookup (set from the drafter config): the router drafts "
         "by lookup itself (it costs nothing), depths following each sequence's current match.",
     )
-    medusa_choices: tuple[tuple[int, ...], ...] | None = Field(
-        default=None,
-        description="Drafter kind medusa (set from the drafter config): the lane drafts the tree of these Medusa "
-        "choices from the guesses of the target's heads that came back with each verdict, at no draft cost.",
+    drafts_on_target: bool = Field(
+        default=False,
+        description="Drafter kind medusa or eagle (set from the drafter config): the lane drafts the trees the "
+        "target's heads drafted with each verdict, cut to each round's depth, at no draft cost.",
     )
     lookup_quotes: bool = Field(
         default=False,

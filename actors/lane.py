@@ -38,8 +38,8 @@ from actors.records import Live, StepRecord, bare_proposal, usage, with_logprobs
 from actors.round_ahead import RoundAhead, Settled
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.costs import Planned, StepCosts
+from speculative.drafters.heads import NextTree, TreeDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.drafters.medusa import HeadGuesses, MedusaDrafter
 from speculative.round import Speculation
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
@@ -90,10 +90,9 @@ class Lane:
         config, ngrams = ctx.config, ctx.config.lookup_ngrams
         # Prompt lookup is drafted here (no call) and depths know each match; beside a draft model, quotes only.
         lookup = PromptLookupDrafter(*ngrams) if ngrams is not None else None
-        # Medusa: the target's heads guessed the next tokens with each verdict; the lane drafts their tree.
-        choices = config.medusa_choices
-        self.guesses: dict[str, HeadGuesses] = {}
-        self.medusa = MedusaDrafter(self.guesses, choices, max(map(len, choices))) if choices else None
+        # Medusa, EAGLE: the target's heads drafted the next round's tree with each verdict; the lane cuts it.
+        self.trees: dict[str, NextTree] = {}
+        self.on_target = TreeDrafter(self.trees) if config.drafts_on_target else None
         self.speculation = Speculation(
             config.depth,
             ctx.costs,
@@ -102,7 +101,7 @@ class Lane:
             config.lookup_quotes,
             ctx.eos_ids,
             ctx.decode,
-            free_drafts=self.medusa is not None,
+            free_drafts=self.on_target is not None,
         )
         self.round_ahead = ctx.config.round_ahead and pool_drafts
         self.ahead = RoundAhead(self.calls, config, ctx.metrics, self.speculation)
@@ -190,9 +189,9 @@ class Lane:
         self.ctx.metrics.depth.set(sum(drafting.plan.depths) / max(len(seqs), 1))
         # Prompt lookup drafts here, in the router: a call to the draft pool would cost more than the lookup.
         proposals = [WireProposal.encode(p) if p is not None else None for p in drafting.found]
-        if self.medusa is not None:  # the heads' guesses, here: no call
-            guessed = self.medusa.propose(modelled)
-            found = [WireProposal.encode(m) if m.tree.size else None for m in guessed]
+        if self.on_target is not None:  # the trees the target's heads drafted, here: no call
+            cut = self.on_target.propose(modelled)
+            found = [WireProposal.encode(m) if m.tree.size else None for m in cut]
             proposals = [p or m for p, m in zip(proposals, found, strict=True)]
         half = _Half(seqs=len(lives))
         called_pool = False
@@ -246,8 +245,8 @@ class Lane:
         committed = 0
         for live, tree, verdict, new in zip(lives, trees, verified.verdicts, news, strict=True):
             live.proposal = None
-            if verdict.guesses is not None and new is not None:  # for the sequence as it now stands
-                self.guesses[live.seq.seq_id] = HeadGuesses(len(live.seq.tokens), [list(g) for g in verdict.guesses])
+            if verdict.drafted is not None and new is not None:  # for the sequence as it now stands
+                self.trees[live.seq.seq_id] = NextTree(len(live.seq.tokens), verdict.drafted)
             if new is not None:  # (None: still prefilling, sent again next round)
                 committed += self._emit(g, live, tree, len(verdict.accepted), new)
         half = _Half(verified.work, len(lives), committed, verified.replica)
@@ -295,7 +294,7 @@ class Lane:
     def _leave(self, g: int, live: Live) -> None:
         seq_id = live.seq.seq_id
         self.groups[g].pop(seq_id, None)
-        self.guesses.pop(seq_id, None)
+        self.trees.pop(seq_id, None)
         self.calls.release[g].append(seq_id)
         self.release_target[g].append(seq_id)
 

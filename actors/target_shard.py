@@ -14,6 +14,7 @@ health check is answered while a long verify runs: a shard that does not answer 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -26,7 +27,8 @@ from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.acceptance import Verdict
-from speculative.drafters.medusa import MedusaHeads, load_medusa
+from speculative.drafters.config import heads_factory, load_heads
+from speculative.drafters.heads import TreeHeads
 from speculative.kv_budget import kv_budget_tokens, max_model_len
 from speculative.kv_cache import preallocated
 from speculative.loading import eos_ids_of
@@ -67,27 +69,27 @@ class TargetShard:
         chunk = self.config.prefill_chunk_tokens
         reserve = preallocated(budget, max_model_len(config))
         grammars = load_grammars(self.config.model.path, self._resolve)  # shared by the groups: soft state by seq id
-        heads, top = self._heads(model), self.config.medusa.top if self.config.medusa else 4
-        self._verifiers = GroupCaches(
-            lambda: TargetVerifier(ModelRunner(model, reserve), chunk, eos, grammars, heads, top), float("inf")
-        )
+        heads = self._heads(model)
+
+        def verifier() -> TargetVerifier:
+            runner = ModelRunner(model, reserve)
+            return TargetVerifier(runner, chunk, eos, grammars, heads(runner) if heads is not None else None)
+
+        self._verifiers = GroupCaches(verifier, float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
         self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
         freeze_heap()
         return self._info
 
-    def _heads(self, model: Any) -> MedusaHeads | None:
-        """The configured Medusa heads in the model's dtype and device, checked against its shapes."""
-        if self.config.medusa is None:
-            return None
-        heads = load_medusa(self.config.medusa.path, model.dtype, str(model.device))
-        hidden, vocab = model.config.hidden_size, model.config.vocab_size
-        if (heads.hidden, heads.vocab) != (hidden, vocab):
-            raise ValueError(
-                f"medusa.path {self.config.medusa.path}: heads of hidden size {heads.hidden} and vocabulary "
-                f"{heads.vocab} do not fit the target (hidden {hidden}, vocabulary {vocab})"
-            )
-        return heads
+    def _heads(self, model: Any) -> Callable[[ModelRunner], TreeHeads] | None:
+        """The configured heads (Medusa or EAGLE), checked against the model: per verifier, weights shared."""
+        medusa, eagle = self.config.medusa, self.config.eagle
+        if medusa is not None:
+            return heads_factory(load_heads("medusa", medusa.path, model), model, medusa.choices, medusa.top)
+        if eagle is not None:
+            head = load_heads("eagle", eagle.path, model)
+            return heads_factory(head, model, top_k=eagle.top_k, depth=eagle.depth, nodes=eagle.nodes)
+        return None
 
     def verify(
         self, cache_key: str, items: list[WireVerifyItem], release: list[str], drop: list[str]

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from actors.config import (
     DraftWorkerConfig,
     Dtype,
+    EagleHeadConfig,
     KvBudgetTokens,
     KvMemoryFraction,
     MedusaHeadsConfig,
@@ -306,13 +307,20 @@ class AppConfig(BaseModel):
             kv_budget_tokens=pool.kv_budget_tokens,
             kv_memory_fraction=pool.kv_memory_fraction,
             medusa=self._medusa(),
+            eagle=self._eagle(),
         )
 
     def _medusa(self) -> MedusaHeadsConfig | None:
         drafter = self.drafter
         if drafter.kind != "medusa" or drafter.medusa_heads is None:
             return None
-        return MedusaHeadsConfig(path=drafter.medusa_heads, top=drafter.medusa_top)
+        return MedusaHeadsConfig(path=drafter.medusa_heads, top=drafter.medusa_top, choices=drafter.medusa_choices)
+
+    def _eagle(self) -> EagleHeadConfig | None:
+        d = self.drafter
+        if d.kind != "eagle" or d.eagle_head is None:
+            return None
+        return EagleHeadConfig(path=d.eagle_head, top_k=d.eagle_top_k, depth=d.eagle_depth, nodes=d.eagle_nodes)
 
     def router(self) -> RouterConfig:
         drafter = self.drafter
@@ -322,6 +330,6 @@ class AppConfig(BaseModel):
             "drafts_sampled": drafter.drafts_sampled,
             "lookup_ngrams": lookup,
             "lookup_quotes": drafter.lookup_quotes,
-            "medusa_choices": drafter.medusa_choices if drafter.kind == "medusa" else None,
+            "drafts_on_target": drafter.on_target,
         }
         return self.router_pool.router.model_copy(update=update)

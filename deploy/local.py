@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -10,10 +11,11 @@ from deploy.models import resolve
 from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import DrafterConfig, build_drafter, drafter_heads
+from speculative.drafters.heads import TreeDrafter, TreeHeads
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.grammar import GrammarCompiler
-from speculative.loading import LoadedModel, load_model
+from speculative.loading import LoadedModel, chat_ids, load_model
 from speculative.runner import ModelRunner
 from speculative.target import TargetVerifier
 
@@ -22,6 +24,7 @@ from speculative.target import TargetVerifier
 class LocalModels:
     target: LoadedModel
     draft: LoadedModel | None
+    heads: dict[str, Callable[[ModelRunner], TreeHeads] | None] = field(default_factory=dict)  # by drafter config
 
     @staticmethod
     def load(target: str, draft: str | None, dtype: str) -> LocalModels:
@@ -39,9 +42,14 @@ class LocalModels:
         tokenizer = self.tokenizer
         draft_tokenizer = self.draft.tokenizer if self.draft is not None else None
         draft_grammars = GrammarCompiler.lazy(lambda: draft_tokenizer) if draft_tokenizer is not None else None
+        heads = self._heads(drafter)  # medusa, eagle: heads beside the target draft, no draft model
+        grammars = GrammarCompiler.lazy(lambda: tokenizer)
+        verifier = TargetVerifier(target_runner, grammars=grammars, heads=heads(target_runner) if heads else None)
         return SpeculativeDecoder(
-            TargetVerifier(target_runner, grammars=GrammarCompiler.lazy(lambda: tokenizer)),
-            build_drafter(drafter, draft_model, target_runner.vocab_size, draft_grammars),
+            verifier,
+            TreeDrafter(verifier.drafted)
+            if heads
+            else build_drafter(drafter, draft_model, target_runner.vocab_size, draft_grammars),
             depth,
             eos_ids=self.target.eos_ids,
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
@@ -50,12 +58,15 @@ class LocalModels:
             lookup_quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.lookup_quotes else None,
         )
 
+    def _heads(self, drafter: DrafterConfig) -> Callable[[ModelRunner], TreeHeads] | None:
+        """The drafter's heads, loaded once per LocalModels and configuration (a decoder per prompt reuses them)."""
+        if not drafter.on_target:
+            return None
+        key = drafter.model_dump_json()
+        if key not in self.heads:
+            self.heads[key] = drafter_heads(drafter, self.target.model)
+        return self.heads[key]
+
     def chat_prompt(self, user: str) -> list[int]:
         """Token ids of a one-turn chat in the target's own template (plain text if it has none)."""
-        tok = self.tokenizer
-        text = user
-        if tok.chat_template:
-            text = str(
-                tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
-            )
-        return list(tok(text, add_special_tokens=not tok.chat_template)["input_ids"])
+        return chat_ids(self.tokenizer, user)

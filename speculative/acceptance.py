@@ -37,9 +37,9 @@ class Verdict:
     accepted: tuple[int, ...]  # accepted node indices, root excluded, root-to-leaf order
     tokens: tuple[int, ...]  # emitted tokens: accepted draft tokens then the recovered/bonus token
     logprobs: tuple[TokenLogprob, ...] | None = None  # per token, when the request asks (logprobs.py)
-    # [K][k] a verifier's Medusa heads' best tokens for the K tokens after the bonus (None: no heads):
-    # the next round's tree (drafters/medusa.py), riding back with the verdict
-    guesses: tuple[tuple[int, ...], ...] | None = None
+    # the next round's tree, rooted at the bonus, drafted by heads beside the target (drafters/heads.py;
+    # None: no heads), riding back with the verdict
+    drafted: TokenTree | None = None
 
     @property
     def path(self) -> tuple[int, ...]:

@@ -36,6 +36,18 @@ def load_model(path: str, dtype: str = "float32") -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, eos_ids_of(model, tokenizer))
 
 
+def chat_ids(tokenizer: PreTrainedTokenizerBase, user: str) -> list[int]:
+    """Token ids of a one-turn chat in the tokenizer's own template (plain text if it has none)."""
+    text = user
+    if tokenizer.chat_template:
+        text = str(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
+            )
+        )
+    return list(tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"])
+
+
 def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
     """`model` with its Linear layers' weights in int8 (`mode` "int8"; "none": unchanged).
 

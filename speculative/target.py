@@ -22,7 +22,7 @@ import torch
 
 from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
-from speculative.drafters.medusa import HeadGuesses, MedusaHeads
+from speculative.drafters.heads import NextTree, TreeHeads
 from speculative.grammar import GrammarCompiler
 from speculative.logprobs import token_logprobs
 from speculative.packing import row_offsets
@@ -61,22 +61,22 @@ class TargetVerifier:
         prefill_chunk: int | None = None,
         eos_ids: frozenset[int] = frozenset(),
         grammars: GrammarCompiler | None = None,
-        heads: MedusaHeads | None = None,
-        heads_top: int = 4,
+        heads: TreeHeads | None = None,
     ) -> None:
         """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit). `eos_ids`:
         the model's end tokens, banned with the stop ids before a request's `min_tokens`. `grammars`:
         the target tokenizer's grammar compiler (structured output); None refuses requests with one.
-        `heads`: Medusa heads read at each verdict's last kept node, their `heads_top` best tokens each
-        kept in `guesses` for the next round's tree (`drafters.medusa.MedusaDrafter`)."""
+        `heads`: heads drafting from the target's hidden states (Medusa, EAGLE: `drafters.heads`), given
+        those of every kept position after each forward; the tree each drafts for a sequence's next round
+        is kept in `drafted` (what `drafters.heads.TreeDrafter` reads in-process) and rides on its verdict."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.runner = runner
         self.prefill_chunk = prefill_chunk
         self.eos_ids = eos_ids
         self.grammars = grammars
-        self.heads, self.heads_top = heads, heads_top
-        self.guesses: dict[str, HeadGuesses] = {}  # per sequence, the heads' guesses after its last verdict
+        self.heads = heads
+        self.drafted: dict[str, NextTree] = {}  # per sequence, the heads' tree after its last verdict
 
     @property
     def vocab_size(self) -> int:
@@ -95,35 +95,46 @@ class TargetVerifier:
         self.runner.reserve(max(len(i.tokens) + i.proposal.tree.size for i in items))
         missing = self.runner.sync(rows, [list(i.tokens) for i in items])
         forward = self._inputs(items, rows, missing)
-        hidden = self.runner.forward_hidden(forward.tokens, forward.parents, forward.logits_at)  # [P, H]
+        # Heads read the hidden state of every kept position: the forward returns every column's, and
+        # only the trees' go through the LM head.
+        gather = forward.logits_at if self.heads is None else [list(range(len(t))) for t in forward.tokens]
+        hidden = self.runner.forward_hidden(forward.tokens, forward.parents, gather)  # [P', H]
+        picked = (
+            hidden
+            if hidden is None or self.heads is None
+            else hidden[_subset(gather, forward.logits_at).to(hidden.device)]
+        )
         # [P, V] on the model's device; none while every row is still prefilling
-        logits = self.runner.logits(hidden) if hidden is not None else torch.empty(0, self.vocab_size)
+        logits = self.runner.logits(picked) if picked is not None else torch.empty(0, self.vocab_size)
         verdicts, keep = self._verdicts(items, rows, forward, logits)
         self.runner.commit(keep)
         if self.heads is not None and hidden is not None:
-            verdicts = self._guess(items, rows, forward, verdicts, hidden)
+            verdicts = self._draft(items, rows, missing, verdicts, keep, hidden, gather)
         return verdicts
 
-    def _guess(
-        self, items: list[VerifyItem], rows: list[int], forward: _Forward, verdicts: list[Verdict], hidden: torch.Tensor
+    def _draft(
+        self,
+        items: list[VerifyItem],
+        rows: list[int],
+        missing: list[list[int]],
+        verdicts: list[Verdict],
+        keep: list[list[int]],
+        hidden: torch.Tensor,  # [P', H] every column's last hidden state, rows packed
+        gather: list[list[int]],
     ) -> list[Verdict]:
-        """The heads' guesses from the hidden state each verdict's bonus token came from (its last kept node):
-        kept in `guesses` and carried by the verdicts (those still prefilling have none)."""
+        """Hand the heads each row's kept hidden states; the trees they draft go in `drafted` and ride on
+        the verdicts (a row still prefilling drafts none)."""
         assert self.heads is not None
-        starts = row_offsets([len(a) for a in forward.logits_at])
-        triples = zip(items, rows, verdicts, strict=True)
-        done = [(k, starts[row] + v.path[-1]) for k, (_, row, v) in enumerate(triples) if v.tokens]
-        if not done:
-            return verdicts
-        at = torch.tensor([i for _, i in done], device=hidden.device)
-        dtype = next(self.heads.parameters()).dtype
-        with torch.no_grad():
-            top = self.heads.top(hidden[at].to(dtype), self.heads_top).tolist()  # [N][K][k]
+        starts = row_offsets([len(g) for g in gather])
         out = list(verdicts)
-        for (k, _), guessed in zip(done, top, strict=True):
-            item, verdict = items[k], verdicts[k]
-            self.guesses[item.seq_id] = HeadGuesses(len(item.tokens) + len(verdict.tokens), guessed)
-            out[k] = replace(verdict, guesses=tuple(tuple(g) for g in guessed))
+        for k, (item, row, miss, verdict) in enumerate(zip(items, rows, missing, verdicts, strict=True)):
+            start = len(item.tokens) - len(miss)  # position of the row's first column
+            at = torch.tensor([starts[row] + c for c in keep[row]], dtype=torch.long, device=hidden.device)
+            tokens = (*item.tokens, *verdict.tokens)
+            tree = self.heads.advance(item.seq_id, tokens, start, hidden[at], bool(verdict.tokens))
+            if tree is not None:
+                self.drafted[item.seq_id] = NextTree(len(tokens), tree)
+                out[k] = replace(verdict, drafted=tree)
         return out
 
     def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:
@@ -191,7 +202,9 @@ class TargetVerifier:
 
     def release(self, seq_ids: list[str]) -> None:
         for s in seq_ids:
-            self.guesses.pop(s, None)
+            self.drafted.pop(s, None)
+        if self.heads is not None:
+            self.heads.release(seq_ids)
         if self.grammars is not None:
             self.grammars.release(seq_ids)
         known = [s for s in seq_ids if s in self.runner.rows]
@@ -201,3 +214,9 @@ class TargetVerifier:
     def cached_sequences(self) -> int:
         """Sequences whose KV this verifier holds (rows of its runner)."""
         return len(self.runner.rows)
+
+
+def _subset(gather: list[list[int]], wanted: list[list[int]]) -> torch.Tensor:
+    """Indices into rows packed by `gather` (each row's every column) of each row's `wanted` columns."""
+    starts = row_offsets([len(g) for g in gather])
+    return torch.tensor([starts[row] + c for row, cols in enumerate(wanted) for c in cols], dtype=torch.long)

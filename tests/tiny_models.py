@@ -7,7 +7,9 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel, Qwen2Config
 
+from speculative.drafters.eagle import EagleModel
 from speculative.drafters.medusa import MedusaHeads
+from speculative.train.fit import eagle_shape
 
 VOCAB = 96
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -106,3 +108,20 @@ def heads_for(target: torch.nn.Module, heads: int = 4, seed: int = 0) -> MedusaH
             head[0].linear.weight.mul_(0.1)
             head[-1].weight.copy_(lm_head + 0.3 * lm_head.std() * torch.randn_like(lm_head))
     return module.eval()
+
+
+def eagle_for(target: torch.nn.Module, seed: int = 0) -> EagleModel:
+    """A random EAGLE head shaped for `target` (its attention and MLP sizes; qkv biases for Qwen2): fc passes
+    the target's feature through beside a little of the token's embedding, the layer's weights small, so its
+    guess of the next feature is near the target's own and its drafts are sometimes right."""
+    shape = eagle_shape(target.config)
+    torch.manual_seed(seed)
+    model = EagleModel(shape)
+    h = shape.hidden
+    with torch.no_grad():
+        model.fc.weight.mul_(0.1)
+        model.fc.weight[:, h:] += torch.eye(h)
+        for p in model.layers.parameters():
+            if p.dim() > 1:
+                p.mul_(0.1)
+    return model.eval()

@@ -5,7 +5,7 @@ head turns into token t+1 and predicts token t+k+2, through `layers` residual bl
 (x + SiLU(W x + b)) and a vocabulary projection. So after a verify, the hidden state at the last
 accepted node gives the bonus token (the LM head, in the verdict) and, through the heads, guesses
 for the tokens after it: the next round's tree, rooted at the bonus, with no draft model and no
-extra forward of the target.
+extra forward of the target (`MedusaTrees`, the `heads.TreeHeads` the verifier calls).
 
 The tree is data built once (Medusa's `medusa_choices`): each choice is a path of top-k ranks, one
 per depth, so (0,) is head 0's top token under the root and (0, 1) head 1's second token under it.
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
 from speculative.tree import TokenTree
 
 CONFIG = "config.json"
@@ -144,35 +142,25 @@ def choices_tree(root: int, top: list[list[int]], choices: Sequence[tuple[int, .
     return TokenTree(root, tuple(tokens), tuple(parents))
 
 
-@dataclass(frozen=True)
-class HeadGuesses:
-    """What the heads guessed after a sequence's last verify: for the sequence at `length` tokens."""
+class MedusaTrees:
+    """Medusa as `heads.TreeHeads`: after each verify, the heads read the hidden state the bonus token came
+    from (the last one kept) and their `top` best tokens each fill the tree of `choices` (those no deeper
+    than the heads). Stateless: a sequence needs nothing of its earlier rounds."""
 
-    length: int  # committed tokens the guesses follow (the bonus token last)
-    top: list[list[int]]  # [K][k]: head d's best tokens for the token d+1 after the bonus
+    def __init__(self, heads: MedusaHeads, choices: Sequence[Sequence[int]], top: int = 4) -> None:
+        self.heads, self.top = heads, top
+        # sorted parents first, as `choices_tree` reads them; choices deeper than the heads are left out
+        self.choices = check_choices([c for c in choices if len(c) <= heads.heads], heads.heads)
+        self.dtype = next(heads.parameters()).dtype
 
-
-class MedusaDrafter:
-    """Proposals from the guesses the target's verifier stored (`TargetVerifier(heads=...)`): no forward
-    here. A sequence with no guesses for its current length (its first round, a restart) drafts nothing."""
-
-    def __init__(self, guesses: dict[str, HeadGuesses], choices: Sequence[Sequence[int]], heads: int) -> None:
-        self.guesses = guesses  # the verifier's, shared
-        self.choices = check_choices(choices, heads)  # sorted parents first, as `choices_tree` reads them
-
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        out = []
-        for r in requests:
-            g = self.guesses.get(r.seq_id)
-            if g is None or g.length != len(r.tokens) or r.budget <= 0:
-                out.append(empty_proposal(r))
-                continue
-            out.append(Proposal(choices_tree(r.tokens[-1], g.top, self.choices, r.budget)))
-        return out
+    def advance(
+        self, seq_id: str, tokens: Sequence[int], start: int, features: torch.Tensor, draft: bool
+    ) -> TokenTree | None:
+        if not draft or start + len(features) != len(tokens) - 1:  # the bonus token's own state is not here
+            return None
+        with torch.no_grad():
+            top = self.heads.top(features[-1:].to(self.dtype), self.top)[0].tolist()  # [K][top]
+        return choices_tree(tokens[-1], top, self.choices, self.heads.heads)
 
     def release(self, seq_ids: list[str]) -> None:
-        for s in seq_ids:
-            self.guesses.pop(s, None)
-
-    def cached_sequences(self) -> int:
-        return len(self.guesses)
+        pass

@@ -37,6 +37,7 @@ from scipy import stats
 
 from speculative.acceptance import Draw, Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
 from speculative.drafters.base import Proposal
+from speculative.drafters.eagle import confidence_tree
 from speculative.drafters.medusa import check_choices, choices_tree
 from speculative.processing import NodeContext, processed
 from speculative.rng import Stream, sample, uniform
@@ -305,6 +306,31 @@ def _medusa_draft(setting: str, emitted: tuple[int, ...]) -> Draft:
     return _assemble(setting, tree.tokens, tree.parents, rows, None)
 
 
+@cache
+def _eagle_draft(setting: str, emitted: tuple[int, ...]) -> Draft:
+    """A toy EAGLE head on the toy draft: at each node, the draft's log-softmax scores in that node's
+    context; the tree by production `confidence_tree` (the 2 best of each depth expanded by their 2 best
+    tokens, 2 depths, the 4 best-scored nodes kept), deterministic."""
+    t = _tables(setting)
+
+    def log_q(path: tuple[int, ...]) -> torch.Tensor:  # [V]
+        return torch.log_softmax(t.draft_scores[SUFFIX_ROW[(*emitted, *path)]].float(), -1)
+
+    def path_of(c: int, tokens: list[int], parents: list[int]) -> tuple[int, ...]:
+        out: list[int] = []
+        while c >= 0:
+            out, c = [tokens[c], *out], parents[c]
+        return tuple(out)
+
+    def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        return torch.stack([log_q(path_of(c, tokens, parents)) for c in frontier])
+
+    tree = confidence_tree(PROMPT[-1], log_q(()), expand, top_k=2, depth=2, nodes=4)
+    root = SUFFIX_ROW[emitted]
+    rows = tuple(SUFFIX_ROW[(*emitted, *tree.path_tokens(n))] if n else root for n in range(tree.size + 1))
+    return _assemble(setting, tree.tokens, tree.parents, rows, None)
+
+
 RULES = {
     # (a) Leviathan / Chen: a chain of 2 sampled from q.
     "chain": Case(Drafter(width=1, max_nodes=64, budget=2, sampled=True), accept_by_rejection),
@@ -318,6 +344,8 @@ RULES = {
     "plain": Case(Drafter(width=1, max_nodes=1, budget=0, sampled=False), None),
     # (e) Medusa heads' tree of choices (deterministic), verified by target-sample matching.
     "medusa": Case(Drafter(width=1, max_nodes=1, budget=0, sampled=False), None, _medusa_draft),
+    # (f) EAGLE-2's dynamic tree by confidence (deterministic), verified by target-sample matching.
+    "eagle": Case(Drafter(width=1, max_nodes=1, budget=0, sampled=False), None, _eagle_draft),
 }
 
 
@@ -514,6 +542,8 @@ def test_drafted_tree_shapes() -> None:
     assert plain.tree.size == 0 and plain.draft_probs is None
     medusa = _medusa_draft("t1", ()).proposal
     assert medusa.tree.parents == (0, 0, 0, 1, 1, 2) and medusa.draft_probs is None
+    eagle = _eagle_draft("t1", ()).proposal
+    assert eagle.tree.size == 4 and eagle.tree.depths[-1] == 2 and eagle.draft_probs is None
     # top-k 3 leaves q three tokens: the sampled root children are exactly them
     topk3 = _draft(RULES["tree"].drafter, "topk3", 3, ()).proposal
     support = set(torch.nonzero(_tables("topk3").q[SUFFIX_ROW[()]]).flatten().tolist())

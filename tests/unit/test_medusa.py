@@ -9,11 +9,11 @@ from safetensors.torch import save_file
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.base import DraftRequest
+from speculative.drafters.heads import NextTree, TreeDrafter, cut
 from speculative.drafters.medusa import (
     DEFAULT_CHOICES,
-    HeadGuesses,
-    MedusaDrafter,
     MedusaHeads,
+    MedusaTrees,
     check_choices,
     choices_tree,
     load_medusa,
@@ -22,6 +22,7 @@ from speculative.drafters.medusa import (
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
+from speculative.tree import TokenTree
 from tests.tiny_models import VOCAB, heads_for, joined_mid_stream, reference_greedy, tiny_model
 
 NEW = 24
@@ -31,8 +32,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
 
 
 def decoder(target, heads: MedusaHeads | None, choices=DEFAULT_CHOICES, max_depth: int = 4) -> SpeculativeDecoder:
-    verifier = TargetVerifier(ModelRunner(target), heads=heads)
-    drafter = MedusaDrafter(verifier.guesses, choices, 4) if heads is not None else None
+    verifier = TargetVerifier(ModelRunner(target), heads=MedusaTrees(heads, choices) if heads is not None else None)
+    drafter = TreeDrafter(verifier.drafted) if heads is not None else None
     return SpeculativeDecoder(verifier, drafter, DepthConfig(max_depth=max_depth, adaptive=False))
 
 
@@ -85,19 +86,40 @@ def test_tree_from_choices():
         check_choices([(0,), (0, 0), (0, 0, 0)], 2)
 
 
-def test_drafter_proposes_only_for_the_length_it_guessed_at():
-    guesses = {"a": HeadGuesses(3, [[4], [6]])}
-    drafter = MedusaDrafter(guesses, CHAIN[:2], 2)
-    fresh, stale, unknown = drafter.propose(
+def test_drafter_proposes_only_for_the_length_it_drafted_at():
+    trees = {"a": NextTree(3, TokenTree(3, (4, 6, 8), (0, 1, 0)))}
+    drafter = TreeDrafter(trees)
+    fresh, shallow, stale, unknown = drafter.propose(
         [
             DraftRequest("a", (1, 2, 3), 4, GREEDY),
+            DraftRequest("a", (1, 2, 3), 1, GREEDY),
             DraftRequest("a", (1, 2, 3, 4), 4, GREEDY),
             DraftRequest("b", (1,), 4, GREEDY),
         ]
     )
-    assert fresh.tree.tokens == (4, 6) and stale.tree.size == 0 and unknown.tree.size == 0
+    assert fresh.tree.tokens == (4, 6, 8) and stale.tree.size == 0 and unknown.tree.size == 0
+    assert (shallow.tree.tokens, shallow.tree.parents) == ((4, 8), (0, 0))  # cut to the round's depth
     drafter.release(["a"])
     assert drafter.cached_sequences() == 0
+
+
+def test_cut_keeps_a_tree():
+    tree = TokenTree(1, (2, 3, 4, 5, 6), (0, 1, 0, 2, 3))  # depths 1, 2, 1, 3, 2
+    shallow = cut(tree, 2)
+    assert (shallow.tokens, shallow.parents) == ((2, 3, 4, 6), (0, 1, 0, 3))
+    assert cut(tree, 3, nodes=2).tokens == (2, 3) and cut(tree, 0).size == 0
+
+
+def test_medusa_trees_read_the_bonus_tokens_state():
+    """The heads read the hidden state the bonus came from (the last kept), and only when it is there."""
+    heads = MedusaHeads(hidden=8, vocab=12, heads=2)
+    medusa = MedusaTrees(heads, CHAIN[:2], top=1)
+    features = torch.randn(3, 8)
+    tree = medusa.advance("a", (1, 2, 3, 4), 0, features, draft=True)
+    assert tree is not None and tree.root == 4
+    assert list(tree.tokens) == [int(t) for t in heads.top(features[-1:], 1)[0, :, 0]]
+    assert medusa.advance("a", (1, 2, 3, 4, 5), 0, features, draft=True) is None  # the bonus's state missing
+    assert medusa.advance("a", (1, 2, 3, 4), 0, features, draft=False) is None  # still prefilling
 
 
 @pytest.mark.parametrize("choices", [CHAIN, DEFAULT_CHOICES], ids=["chain", "tree"])
@@ -115,7 +137,7 @@ def test_sequences_joining_mid_stream_stay_exact(models):
     target, heads, refs = models
     dec = decoder(target, heads)
     assert joined_mid_stream(dec, PROMPTS, GREEDY) == refs
-    assert not dec.target.guesses  # finished sequences' guesses are released
+    assert not dec.target.drafted  # finished sequences' trees are released
 
 
 def test_seeded_sampling_gives_plain_sampling_output(models):

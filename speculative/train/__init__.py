@@ -1,0 +1,1 @@
+"""Training draft heads (Medusa, EAGLE) for a target on its own outputs: `python -m speculative.train`."""
