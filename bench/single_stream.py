@@ -3,7 +3,9 @@
 One process, same prompts, same machine, each method in turn per dtype:
 - target: HF `generate(do_sample=False)` with the target alone (the reference output and T);
 - plain: our decoder with no drafter (our own overhead over HF);
-- chain / tree / lookup: our speculative decoder;
+- chain / tree / lookup / hybrid: our speculative decoder with the draft model or prompt lookup;
+- medusa / eagle: our decoder with the heads `make heads` trained for the target (in $SPECSERVE_HEADS;
+  left out, with a note, where they are not there);
 - hf-assisted: HF `generate(assistant_model=draft)`, its default schedule.
 Reports tokens/s, acceptance length L (tokens per target step), speedup over the target alone, the
 analytic bound L*T/(V+D) of docs/design.md (T: target decode step, V: our verify step, D: our draft
@@ -15,8 +17,10 @@ round, all measured in this run), and whether each prompt's output equals the ta
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +58,7 @@ def run_ours(
 ) -> dict[str, Any]:
     """Greedy, stopping at the target's end-of-sequence tokens as HF generate does; depths capped by the
     verify and draft costs measured so far in this run (`costs`, shared by a method's prompts)."""
-    draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0
+    draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0  # lookup, heads: no draft forward
     decoder = models.decoder(config, DepthConfig(max_depth=depth, draft_cost=draft_cost), costs)
     start = time.perf_counter()
     (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n))
@@ -81,9 +85,23 @@ def run_hf(models: LocalModels, prompt: list[int], n: int, assisted: bool) -> di
     return {"tokens": out[0, len(prompt) :].tolist(), "seconds": time.perf_counter() - start}
 
 
-def bench_dtype(dtype: str, n: int, depth: int, target: str, draft: str) -> list[dict[str, Any]]:
+def head_drafters(target: str, folder: Path) -> dict[str, DrafterConfig]:
+    """Medusa and EAGLE drafters over the heads trained for `target` in `folder` (`make heads`), those present."""
+    out = {}
+    for kind in ("medusa", "eagle"):
+        heads = folder / f"{target}-{kind}"
+        if not (heads / "config.json").exists():
+            print(f"no {kind} heads in {heads} (make heads): left out", flush=True)
+            continue
+        field = "medusa_heads" if kind == "medusa" else "eagle_head"
+        out[kind] = DrafterConfig.model_validate({"kind": kind, field: str(heads)})
+    return out
+
+
+def bench_dtype(dtype: str, n: int, depth: int, target: str, draft: str, heads: Path) -> list[dict[str, Any]]:
     models = LocalModels.load(target, draft, dtype)
     prompts = {k: models.chat_prompt(v) for k, v in PROMPTS.items()}
+    ours_configs = {**OURS, **head_drafters(target, heads)}
 
     def ours(config: DrafterConfig) -> Callable[[list[int], int], dict[str, Any]]:
         costs = StepCosts()
@@ -91,7 +109,7 @@ def bench_dtype(dtype: str, n: int, depth: int, target: str, draft: str) -> list
 
     methods: dict[str, Callable[[list[int], int], dict[str, Any]]] = {
         "target": lambda p, k: run_hf(models, p, k, assisted=False),
-        **{name: ours(config) for name, config in OURS.items()},
+        **{name: ours(config) for name, config in ours_configs.items()},
         "hf-assisted": lambda p, k: run_hf(models, p, k, assisted=True),
     }
     warm = models.chat_prompt("Hello")
@@ -190,10 +208,15 @@ def main() -> None:
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--target", default="qwen-1.5b")
     parser.add_argument("--draft", default="qwen-0.5b")
+    parser.add_argument(
+        "--heads", default=os.environ.get("SPECSERVE_HEADS", "~/.cache/specserve/heads"), help="`make heads`' folder"
+    )
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes.split(","):
-        rows += bench_dtype(dtype, args.new_tokens, args.max_depth, args.target, args.draft)
+        rows += bench_dtype(
+            dtype, args.new_tokens, args.max_depth, args.target, args.draft, Path(args.heads).expanduser()
+        )
     summary = summarise(rows)
     columns = [
         "dtype",
