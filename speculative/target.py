@@ -22,7 +22,7 @@ import torch
 
 from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
-from speculative.drafters.heads import NextTree, TreeHeads
+from speculative.drafters.heads import HeadInput, NextTree, TreeHeads
 from speculative.grammar import GrammarCompiler
 from speculative.logprobs import token_logprobs
 from speculative.packing import row_offsets
@@ -126,15 +126,17 @@ class TargetVerifier:
         the verdicts (a row still prefilling drafts none)."""
         assert self.heads is not None
         starts = row_offsets([len(g) for g in gather])
-        out = list(verdicts)
-        for k, (item, row, miss, verdict) in enumerate(zip(items, rows, missing, verdicts, strict=True)):
-            start = len(item.tokens) - len(miss)  # position of the row's first column
+        inputs = []
+        for item, row, miss, verdict in zip(items, rows, missing, verdicts, strict=True):
             at = torch.tensor([starts[row] + c for c in keep[row]], dtype=torch.long, device=hidden.device)
+            start = len(item.tokens) - len(miss)  # position of the row's first column
             tokens = (*item.tokens, *verdict.tokens)
-            tree = self.heads.advance(item.seq_id, tokens, start, hidden[at], bool(verdict.tokens))
+            inputs.append(HeadInput(item.seq_id, tokens, start, hidden[at], bool(verdict.tokens)))
+        out = list(verdicts)
+        for k, (given, tree) in enumerate(zip(inputs, self.heads.advance(inputs), strict=True)):
             if tree is not None:
-                self.drafted[item.seq_id] = NextTree(len(tokens), tree)
-                out[k] = replace(verdict, drafted=tree)
+                self.drafted[given.seq_id] = NextTree(len(given.tokens), tree)
+                out[k] = replace(verdicts[k], drafted=tree)
         return out
 
     def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:

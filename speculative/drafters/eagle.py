@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculative.drafters.heads import HeadInput, read_state
 from speculative.tree import TokenTree
 
 CONFIG = "config.json"
@@ -220,16 +221,7 @@ def load_eagle(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     """A head from a folder in the published layout (a copy of the target's embedding in it is ignored)."""
     root = Path(folder)
     shape = EagleShape.from_config(json.loads((root / CONFIG).read_text()))
-    weights = next((root / w for w in WEIGHTS if (root / w).exists()), None)
-    if weights is None:
-        raise FileNotFoundError(f"{root}: no {' or '.join(WEIGHTS)}")
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights))
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    state = {k: v for k, v in state.items() if not k.startswith("embed_tokens.")}
+    state = {k: v for k, v in read_state(root, WEIGHTS).items() if not k.startswith("embed_tokens.")}
     model = EagleModel(shape)
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()
@@ -336,8 +328,12 @@ class EagleTrees:
         self.dtype = next(model.parameters()).dtype
         self.caches: dict[str, _Cache] = {}
 
+    def advance(self, rows: list[HeadInput]) -> list[TokenTree | None]:
+        """Each sequence in turn (its own cache and tree search)."""
+        return [self._advance(r.seq_id, r.tokens, r.start, r.features, r.draft) for r in rows]
+
     @torch.no_grad()
-    def advance(
+    def _advance(
         self, seq_id: str, tokens: Sequence[int], start: int, features: torch.Tensor, draft: bool
     ) -> TokenTree | None:
         cache = self.caches.get(seq_id)

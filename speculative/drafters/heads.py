@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -22,21 +23,44 @@ from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
 from speculative.tree import TokenTree
 
 
+@dataclass(frozen=True)
+class HeadInput:
+    """What one verify forward gives the heads of one sequence."""
+
+    seq_id: str
+    tokens: Sequence[int]  # the sequence's committed tokens after this verify (the bonus last)
+    start: int  # position of the first of `features`
+    features: torch.Tensor  # [n, H] the target's last hidden states at positions start..start+n-1
+    draft: bool  # the verify committed tokens (False: a prefill chunk, nothing to draft yet)
+
+    @property
+    def reaches_bonus(self) -> bool:
+        """The features run up to the state the bonus token came from: a tree can be drafted after it."""
+        return self.draft and self.start + len(self.features) == len(self.tokens) - 1
+
+
 class TreeHeads(Protocol):
     """Heads that read the target's hidden states and draft the next round's tree."""
 
-    def advance(
-        self,
-        seq_id: str,
-        tokens: Sequence[int],  # the sequence's committed tokens after this verify (the bonus last)
-        start: int,  # position of the first of `features`
-        features: torch.Tensor,  # [n, H] the target's last hidden states at positions start..start+n-1
-        draft: bool,  # the verify committed tokens (False: a prefill chunk, nothing to draft yet)
-    ) -> TokenTree | None:
-        """Take this forward's features; with `draft`, the next round's tree (None: none this time)."""
+    def advance(self, rows: list[HeadInput]) -> list[TokenTree | None]:
+        """Take one forward's features, all its sequences at once; per row the next round's tree (None:
+        none this time)."""
         ...
 
     def release(self, seq_ids: list[str]) -> None: ...
+
+
+def read_state(root: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The state dict in the first of `names` found in `root` (safetensors or a torch pickle of tensors);
+    FileNotFoundError naming them all if none is there."""
+    weights = next((root / w for w in names if (root / w).exists()), None)
+    if weights is None:
+        raise FileNotFoundError(f"{root}: no {' or '.join(names)}")
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(weights))
+    return torch.load(weights, map_location="cpu", weights_only=True)
 
 
 @dataclass(frozen=True)

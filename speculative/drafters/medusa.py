@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speculative.drafters.heads import HeadInput, read_state
 from speculative.tree import TokenTree
 
 CONFIG = "config.json"
@@ -98,16 +99,7 @@ def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     """Heads from a folder in the published layout; sizes from the weights (the config may omit them)."""
     root = Path(folder)
     config = json.loads((root / CONFIG).read_text())
-    weights = next((root / w for w in WEIGHTS if (root / w).exists()), None)
-    if weights is None:
-        raise FileNotFoundError(f"{root}: no {' or '.join(WEIGHTS)}")
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights))
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+    state = {k.removeprefix("medusa_head."): v for k, v in read_state(root, WEIGHTS).items()}
     heads, layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
     vocab, hidden = state[f"0.{layers}.weight"].shape
     module = MedusaHeads(int(hidden), int(vocab), heads, layers)
@@ -153,14 +145,17 @@ class MedusaTrees:
         self.choices = check_choices([c for c in choices if len(c) <= heads.heads], heads.heads)
         self.dtype = next(heads.parameters()).dtype
 
-    def advance(
-        self, seq_id: str, tokens: Sequence[int], start: int, features: torch.Tensor, draft: bool
-    ) -> TokenTree | None:
-        if not draft or start + len(features) != len(tokens) - 1:  # the bonus token's own state is not here
-            return None
+    def advance(self, rows: list[HeadInput]) -> list[TokenTree | None]:
+        ready = [k for k, r in enumerate(rows) if r.reaches_bonus]  # (else the bonus's state is not here)
+        out: list[TokenTree | None] = [None] * len(rows)
+        if not ready:
+            return out
+        last = torch.stack([rows[k].features[-1] for k in ready]).to(self.dtype)  # [N, H], one call for all
         with torch.no_grad():
-            top = self.heads.top(features[-1:].to(self.dtype), self.top)[0].tolist()  # [K][top]
-        return choices_tree(tokens[-1], top, self.choices, self.heads.heads)
+            top = self.heads.top(last, self.top).tolist()  # [N][K][top]
+        for k, guessed in zip(ready, top, strict=True):
+            out[k] = choices_tree(rows[k].tokens[-1], guessed, self.choices, self.heads.heads)
+        return out
 
     def release(self, seq_ids: list[str]) -> None:
         pass

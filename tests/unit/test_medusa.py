@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.base import DraftRequest
-from speculative.drafters.heads import NextTree, TreeDrafter, cut
+from speculative.drafters.heads import HeadInput, NextTree, TreeDrafter, cut
 from speculative.drafters.medusa import (
     DEFAULT_CHOICES,
     MedusaHeads,
@@ -115,11 +115,12 @@ def test_medusa_trees_read_the_bonus_tokens_state():
     heads = MedusaHeads(hidden=8, vocab=12, heads=2)
     medusa = MedusaTrees(heads, CHAIN[:2], top=1)
     features = torch.randn(3, 8)
-    tree = medusa.advance("a", (1, 2, 3, 4), 0, features, draft=True)
+    (tree,) = medusa.advance([HeadInput("a", (1, 2, 3, 4), 0, features, draft=True)])
     assert tree is not None and tree.root == 4
     assert list(tree.tokens) == [int(t) for t in heads.top(features[-1:], 1)[0, :, 0]]
-    assert medusa.advance("a", (1, 2, 3, 4, 5), 0, features, draft=True) is None  # the bonus's state missing
-    assert medusa.advance("a", (1, 2, 3, 4), 0, features, draft=False) is None  # still prefilling
+    missing = HeadInput("a", (1, 2, 3, 4, 5), 0, features, draft=True)
+    prefilling = HeadInput("a", (1, 2, 3, 4), 0, features, draft=False)
+    assert medusa.advance([missing, prefilling]) == [None, None]  # the bonus's state missing; still prefilling
 
 
 @pytest.mark.parametrize("choices", [CHAIN, DEFAULT_CHOICES], ids=["chain", "tree"])
