@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -330,12 +330,11 @@ class EagleTrees:
 
     def advance(self, rows: list[HeadInput]) -> list[TokenTree | None]:
         """Each sequence in turn (its own cache and tree search)."""
-        return [self._advance(r.seq_id, r.tokens, r.start, r.features, r.draft) for r in rows]
+        return [self._advance(r) for r in rows]
 
     @torch.no_grad()
-    def _advance(
-        self, seq_id: str, tokens: Sequence[int], start: int, features: torch.Tensor, draft: bool
-    ) -> TokenTree | None:
+    def _advance(self, row: HeadInput) -> TokenTree | None:
+        seq_id, tokens, start, features = row.seq_id, row.tokens, row.start, row.features
         cache = self.caches.get(seq_id)
         if cache is None or cache.length < start:  # (features before `start` never seen: begin again at 0)
             if start:
@@ -356,7 +355,7 @@ class EagleTrees:
         cache.kv = [
             (torch.cat([k0, k], 1), torch.cat([v0, v], 1)) for (k0, v0), (k, v) in zip(cache.kv, kv, strict=True)
         ]
-        if not draft or start + n != len(tokens) - 1:  # drafting needs the pair of the bonus token
+        if not row.reaches_bonus:  # drafting needs the pair of the bonus token
             return None
         return self._tree(cache, out[-1], tokens[-1], start + n - 1)
 
