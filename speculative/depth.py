@@ -3,8 +3,11 @@
 One controller sets every draft depth: `DepthConfig` holds all its knobs, `own_depth` is a
 sequence's depth from its own acceptance, `depth_cap` bounds it by the batch and the target's
 queue, and `load_control.plan_depths` weighs those against the measured costs of the round
-(`StepCosts`) and returns the plan. All of them are pure functions of their arguments; what a
-round observes is recorded by `round.Speculation` when the round settles.
+(`StepCosts`) and returns the plan. Once costs are measured, a sequence whose tokens do not
+depend on depth (greedy, deterministic drafts) is bounded by them instead of by `own_depth`'s
+fixed cost model: a draft hidden behind the verify costs less than that model says. All of
+them are pure functions of their arguments; what a round observes is recorded by
+`round.Speculation` when the round settles.
 
 With per-token acceptance rate a, a chain of k draft tokens commits (1 - a^(k+1)) / (1 - a)
 tokens per step and costs about 1 + verify_overhead + draft_cost * k target-steps before any

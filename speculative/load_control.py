@@ -1,7 +1,8 @@
 """Speculation depth by load: per-sequence draft depths that maximise a batch's committed tokens/s.
 
-`plan_depths` chooses d_i <= min(want_i, cap), want_i the sequence's own depth (`depth.own_depth`),
-maximising the round's goodput
+`plan_depths` chooses d_i <= min(want_i, cap), want_i the sequence's room (its own depth,
+`depth.own_depth`, where the round is not priced or its tokens depend on depth), maximising the
+round's goodput
 
     goodput(d) = sum_i E(a_i, d_i) / cost(d)
 
@@ -225,16 +226,23 @@ def plan_depths(
 def _own_wants(
     seqs: Seq[Sequence], room: list[int], capped: list[bool], config: DepthConfig, priced: bool
 ) -> list[int]:
-    """Each sequence's depth by its own evidence, within its room. Priced, a capped sequence drafts from
-    its second round: drafting in its prefill round would have the draft model prefill the prompt
-    before the target starts, delaying the first token and everyone's round in the batch."""
-    wants = [
-        min(own_depth(s.acceptance, s.stats.steps - s.stats.drafted_at, config), r)
-        for s, r in zip(seqs, room, strict=True)
+    """How deep each sequence may draft, within its room. Unpriced, and for sequences whose tokens depend
+    on depth (not `capped`), that is its depth by its own evidence (`own_depth`, a fixed cost model).
+    Priced, a capped sequence may draft its whole room: the measured costs and its acceptance choose
+    the depth (`choose_depths`), so a draft hidden behind the verify goes as deep as it pays, not as
+    deep as an unhidden one would. It drafts from its second round: drafting in its prefill round
+    would have the draft model prefill the prompt before the target starts, delaying the first token
+    and everyone's round in the batch."""
+    if not priced:
+        return [min(_evidence_depth(s, config), r) for s, r in zip(seqs, room, strict=True)]
+    return [
+        (r if s.stats.steps else 0) if c else min(_evidence_depth(s, config), r)
+        for s, r, c in zip(seqs, room, capped, strict=True)
     ]
-    if priced:
-        wants = [0 if c and not s.stats.steps else w for s, w, c in zip(seqs, wants, capped, strict=True)]
-    return wants
+
+
+def _evidence_depth(seq: Sequence, config: DepthConfig) -> int:
+    return own_depth(seq.acceptance, seq.stats.steps - seq.stats.drafted_at, config)
 
 
 def _lookup_matches(

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from speculative.costs import StepCosts, catch_up
-from speculative.depth import DepthConfig
+from speculative.depth import DepthConfig, own_depth
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.load_control import choose_depths as choose_planned
 from speculative.load_control import plan_depths, record_plan
@@ -479,3 +479,22 @@ def test_a_pre_draft_is_priced_one_forward_deeper_than_its_depth() -> None:
     wants, acc = [4], [0.9]
     assert choose_depths(wants, acc, c, 4, overlapped=True) == [4]  # D(4) = 0.52 hides behind V(5) = 0.5
     assert choose_depths(wants, acc, c, 4, overlapped=True, extra_levels=1) == [3]  # D(5) = 0.65 would not
+
+
+def test_a_draft_hidden_behind_the_verify_goes_as_deep_as_it_pays() -> None:
+    """Measured costs, not the fixed cost model of `own_depth`, bound a greedy sequence's depth: a draft
+    hidden behind the verify drafts deeper than one that runs before it (a = 0.875: own_depth says 4 of 8)."""
+    config = DepthConfig(max_depth=8)
+    c = costs({1: 0.25, 5: 0.3, 9: 0.33, 16: 0.4}, {1: 0.036})  # 0.5B int8 draft, 1.5B bf16 verify, 1 core each
+    seq = Sequence("s", [1, 2, 3], GREEDY)
+    seq.stats.steps, seq.stats.drafted_at = 5, 4
+    for _ in range(40):
+        seq.acceptance.update(8, 7, config.memory)  # 7 of 8 levels kept: 0.875 per decision
+    assert own_depth(seq.acceptance, 1, config) == 4
+    hidden = plan_depths([seq], config, c, 8, overlapped=True, extra_levels=1).depths
+    alone = plan_depths([seq], config, c, 8).depths
+    assert hidden == [8]  # its 9 forwards (the guess of the bonus first), 0.32 s, hide behind V(9) = 0.33 s
+    assert 4 < alone[0] < 8  # in sequence each level costs its forward: deeper than own_depth, not to the cap
+    sampled = Sequence("t", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64))
+    sampled.stats.steps, sampled.acceptance = 5, seq.acceptance
+    assert plan_depths([sampled], config, c, 8, overlapped=True).depths == [4]  # its tokens depend on depth
