@@ -1,10 +1,12 @@
 """Round ahead in a lane (`speculative/ahead.py`): the next round's drafts, made beside a verify.
 
 While a group is verified, the draft pool pre-drafts that group's next round from the continuation
-it expects, for a group of one sequence (at one stream nothing else would overlap) and for every
-sequence in its prefill round (the draft model catches up on the prompt beside the target's
-prefill, never before the first token nor after it; a prompt over `router.ahead_prefill_tokens` is
-left to the depth controller, which prices its catch-up). When the verdict matches, the next verify
+it expects, for a group of one sequence (at one stream nothing else would overlap), and catches up
+on the prompt of every sequence in its prefill round beside the target's prefill (never before the
+first token nor after it; a prompt over `router.ahead_prefill_tokens` is left to the depth
+controller, which prices its catch-up). A prefill's catch-up drafts nothing: draft forwards beside
+the prefill slow it where the pools share a machine's memory bandwidth, and the draft's guess of a
+chat's first token is seldom the target's. When the verdict matches, the next verify
 starts at once with that draft; when not, the sequence is drafted again at the next round's start.
 The round waits for a pre-draft at most as long as its verify took; a later one is dropped, and the
 pool is not called again until it has answered.
@@ -33,6 +35,12 @@ class PreDraft:
     lives: list[Live]
     paths: list[list[int]]  # per live, the draft tokens the pre-draft assumes accepted
     released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
+    depths: list[int]  # per live, its depth (0: a prefill's catch-up, drafting nothing)
+
+    @property
+    def drafting(self) -> int:
+        """The sequences it drafts for (a catch-up is not a pre-draft that can hit or miss)."""
+        return sum(1 for d in self.depths if d)
 
 
 @dataclass(frozen=True)
@@ -52,12 +60,12 @@ class RoundAhead:
     def __init__(self, calls: DraftCalls, config: RouterConfig, metrics: RouterMetrics, speculation: Speculation):
         self.calls, self.config, self.metrics, self.speculation = calls, config, metrics, speculation
 
-    def depth(self, live: Live, group_size: int, target_waiting: int) -> int:
-        """How deep to pre-draft this sequence's next round (0: not at all).
+    def depth(self, live: Live, group_size: int, target_waiting: int) -> int | None:
+        """How deep to pre-draft this sequence's next round (None: not at all).
 
-        A sequence in its prefill round drafts its own first depth (its want within the lane's cap), if
-        its prompt is no longer than `ahead_prefill_tokens` (a longer catch-up would hold the draft
-        replica, and every other sequence's drafts, for many rounds);
+        A sequence in its prefill round is caught up on, 0 deep, if its prompt is no longer than
+        `ahead_prefill_tokens` (a longer catch-up would hold the draft replica, and every other
+        sequence's drafts, for many rounds);
         one drafting alone in its group drafts what the planner chooses for its next round, priced as
         overlapped (a hit hides the draft behind the verify); others are planned at their round's
         start. Only sequences whose tokens do not depend on the draft (greedy, deterministic drafts)
@@ -65,30 +73,32 @@ class RoundAhead:
         """
         seq, config, speculation = live.seq, self.config, self.speculation
         if not (seq.params.greedy or not config.drafts_sampled):
-            return 0
+            return None
         tree = live.proposal.tree if live.proposal is not None else None
         if not seq.stats.steps:  # prefill: once (a long prompt's later chunk rounds find the draft caught up)
             if not 0 < len(seq.tokens) - live.draft_seen <= config.ahead_prefill_tokens:
-                return 0
-            depth = speculation.own(seq, group_size, target_waiting)
-        elif group_size == 1 and tree is not None and tree.size:
+                return None
+            # (with no drafting round after it, as when max_tokens < 3, nothing to catch up for)
+            return 0 if seq.params.max_draft_tokens != 0 and seq.params.max_tokens > 2 else None
+        if group_size == 1 and tree is not None and tree.size:
             # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
             plan = speculation.depths([seq], 1, target_waiting, overlapped=True, extra_levels=1)
             if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
-                return 0
+                return None
             depth = plan.depths[0]
         else:
-            return 0
+            return None
         path = len(assumed_path(tree)) if tree is not None else 0
         own = seq.params.max_draft_tokens if seq.params.max_draft_tokens is not None else depth
         # After a hit this round commits path + bonus; the next then adds at least one token.
-        return max(min(depth, own, seq.params.max_tokens - len(seq.output) - path - 2), 0)
+        depth = min(depth, own, seq.params.max_tokens - len(seq.output) - path - 2)
+        return depth if depth > 0 else None
 
     def start(self, g: int, cache_key: str, lives: list[Live], target_waiting: int) -> PreDraft | None:
         """Send the pre-drafts of this group's next round, beside the verify about to start."""
         if self.calls.pool is None or not self.calls.free():
             return None
-        picked = [(x, d) for x in lives if (d := self.depth(x, len(lives), target_waiting))]
+        picked = [(x, d) for x in lives if (d := self.depth(x, len(lives), target_waiting)) is not None]
         if not picked:
             return None
         requests, paths, work = [], [], 0
@@ -105,7 +115,7 @@ class RoundAhead:
             stats = seq.stats
             stats.draft_synced, stats.drafted_at, stats.draft_catch_up = len(request.tokens), stats.steps, 0
         task, released = self.calls.send(g, cache_key, requests, work)
-        return PreDraft(g, task, [x for x, _ in picked], paths, released)
+        return PreDraft(g, task, [x for x, _ in picked], paths, released, [d for _, d in picked])
 
     def drop(self, pre: PreDraft) -> None:
         """Leave a pre-draft to finish unused; the pool is not called until it has answered."""
@@ -123,12 +133,12 @@ class RoundAhead:
         round starts at once, and the draft model's catch-up goes on beside it."""
         if not any(committed.get(x.seq.seq_id) for x in pre.lives):
             self.drop(pre)
-            self.metrics.ahead(len(pre.lives), 0, "settled")  # misses: drafted for a prompt not yet done
+            self.metrics.ahead(pre.drafting, 0, "settled")  # misses: drafted for a prompt not yet done
             return None
         done, _ = await asyncio.wait({pre.task}, timeout=verify_s)
         if not done:
             self.drop(pre)
-            self.metrics.ahead(len(pre.lives), 0, "late")
+            self.metrics.ahead(pre.drafting, 0, "late")
             return None
         try:
             drafted = pre.task.result()
@@ -146,5 +156,5 @@ class RoundAhead:
             if taken is not None:
                 live.proposal, hits = WireProposal.encode(taken), hits + 1
                 cut_hits += len(verdict or ()) <= len(path)
-        self.metrics.ahead(len(pre.lives), hits, "settled", unverified)
-        return Settled(drafted.work, len(pre.lives), hits, unverified, cut_hits)
+        self.metrics.ahead(pre.drafting, hits, "settled", unverified)
+        return Settled(drafted.work, pre.drafting, hits, unverified, cut_hits)

@@ -18,7 +18,12 @@ class Recorder:
     def record(self, value: float, tags: dict[str, str] | None = None) -> None:
         self.values[tuple(sorted((tags or {}).items()))] += value
 
-    inc = set = observe = record
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        if value <= 0:  # as Ray's Counter.inc, which fails the caller
+            raise ValueError(f"value must be >0, got {value}")
+        self.record(value, tags)
+
+    set = observe = record
 
     @property
     def total(self) -> float:

@@ -68,16 +68,18 @@ def with_slow_verifies(router: Router, every: bool = False, delay_s: float = 2.0
 
 
 def test_a_prompt_is_caught_up_on_beside_the_target_prefill(tiny_pair: TinyPair) -> None:
-    """The first draft call of a sequence rides beside its prefill verify: the draft model has the prompt
-    before the second round, whose proposal is the pre-draft when the target's first token matched."""
+    """The first draft call of a sequence rides beside its prefill verify and only catches up: the draft
+    model has the prompt before the second round, and no draft forward ran beside the prefill."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
     router = with_slow_verifies(make_router(tiny_pair))
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
     first = router._records[0]
     assert first.verified_seqs == 1 and first.draft is None, "the prefill round made no draft call before it"
-    assert first.ahead is not None and first.ahead_tried == 1, "the prompt was pre-drafted beside the prefill"
+    assert first.ahead is not None, "the draft model caught up on the prompt beside the prefill"
     assert first.ahead.start < first.verify.end  # type: ignore[union-attr]
+    assert first.ahead_tried == 0 and first.unverified == 1, "it drafted nothing (its one guess is free)"
+    assert router._records[1].draft is not None, "the second round drafts (caught up: no catch-up first)"
 
 
 def test_round_ahead_on_and_off_give_the_same_tokens(tiny_pair: TinyPair) -> None:

@@ -45,3 +45,14 @@ def test_sequence_stats_count_draft_rounds_as_vllm_does() -> None:
     assert (seq.stats.steps, seq.stats.drafts, seq.stats.drafted, seq.stats.accepted) == (3, 2, 3, 2)
     assert 1 + seq.stats.accepted / seq.stats.drafts == 2.0  # vLLM's; per target step (ours) it is 5 / 3
     assert seq.stats.acceptance_length == 5 / 3
+
+
+def test_a_pre_draft_that_drafted_for_no_sequence_counts_nothing(ray_metrics: FakeRayMetrics) -> None:
+    """A prefill's catch-up drafts nothing: late or settled, it is no pre-draft outcome (and Ray's
+    counters fail the caller on an increment of 0, which would end the lane's requests)."""
+    metrics, made = RouterMetrics(), ray_metrics.made
+    metrics.ahead(0, 0, "late")
+    metrics.ahead(0, 0, "settled", unverified=1)
+    metrics.ahead(2, 1, "late")
+    assert made["specserve_predraft_sequences_total"].by("outcome") == {"late": 2}
+    assert made["specserve_draft_tokens_unverified_total"].total == 1
