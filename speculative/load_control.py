@@ -233,16 +233,12 @@ def _own_wants(
     deep as an unhidden one would. It drafts from its second round: drafting in its prefill round
     would have the draft model prefill the prompt before the target starts, delaying the first token
     and everyone's round in the batch."""
-    if not priced:
-        return [min(_evidence_depth(s, config), r) for s, r in zip(seqs, room, strict=True)]
     return [
-        (r if s.stats.steps else 0) if c else min(_evidence_depth(s, config), r)
+        (r if s.stats.steps else 0)
+        if priced and c
+        else min(own_depth(s.acceptance, s.stats.steps - s.stats.drafted_at, config), r)
         for s, r, c in zip(seqs, room, capped, strict=True)
     ]
-
-
-def _evidence_depth(seq: Sequence, config: DepthConfig) -> int:
-    return own_depth(seq.acceptance, seq.stats.steps - seq.stats.drafted_at, config)
 
 
 def _lookup_matches(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from speculative.costs import Planned, StepCosts
-from speculative.depth import DepthConfig, depth_cap, own_depth
+from speculative.depth import DepthConfig, depth_cap
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
 from speculative.load_control import Plan, plan_depths, record_plan
@@ -85,11 +85,6 @@ class Speculation:
             extra_levels,
             self.free_drafts,
         )
-
-    def own(self, seq: Sequence, batch: int, queued: int = 0) -> int:
-        """The sequence's depth by its own evidence within the batch's cap (no load pricing)."""
-        rounds_since = seq.stats.steps - seq.stats.drafted_at
-        return min(own_depth(seq.acceptance, rounds_since, self.config), depth_cap(self.config, batch, queued))
 
     def plan(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Drafting:
         """Plan this round, record it on the sequences, and draft what lookup finds."""
