@@ -52,11 +52,14 @@ def ahead_request(
     params: SamplingParams,
     prompt_len: int = 0,
     alternatives: int = 0,
+    deadline_s: float | None = None,
 ) -> DraftRequest:
     """The pre-draft for round N+1: `tokens` (committed) plus the assumed path as its spine, drafting the
-    guess and `depth` levels under it, and under each of `alternatives` branches where the spine may be cut."""
+    guess and `depth` levels under it, and under each of `alternatives` branches where the spine may be cut;
+    no level started that would end past `deadline_s` (`DraftRequest.deadline_s`)."""
     path = assumed_path(tree)
-    return DraftRequest(seq_id, (*tokens, *path), depth + 1, params, prompt_len, len(path), alternatives)
+    spine = (*tokens, *path)
+    return DraftRequest(seq_id, spine, depth + 1, params, prompt_len, len(path), alternatives, deadline_s)
 
 
 def take_ahead(pre: Proposal, committed: tuple[int, ...]) -> Proposal | None:

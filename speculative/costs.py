@@ -150,8 +150,7 @@ class StepCosts:
         each sequence kept (pooled into the lane's acceptance, the prior of sequences that just came).
         A sequence that joined in this step carried its whole prompt: prefill rounds are measurements
         too, and under load the only ones at large sizes."""
-        lengths = [t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True)]
-        self.verify.observe(sum(lengths), seconds)
+        self.verify.observe(verify_tokens(seqs, trees), seconds)
         for seq, tree, kept in zip(seqs, trees, accepted, strict=False):
             proposed = max(tree.depths)
             if not proposed:
@@ -240,6 +239,12 @@ class StepCosts:
         if self.draft_token:
             draft += self.draft_token * sum(c for c, d in zip(catch, modelled, strict=True) if d)
         return draft
+
+
+def verify_tokens(seqs: Seq[Sequence], trees: Seq[TokenTree]) -> int:
+    """Tokens a verify forward over `seqs` with these trees computes: a tree's nodes and root, or the
+    whole prompt of a sequence in its prefill round."""
+    return sum(t.size + 1 if s.stats.steps else len(s.tokens) for s, t in zip(seqs, trees, strict=True))
 
 
 def catch_up(seq: Sequence) -> int:

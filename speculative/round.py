@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
-from speculative.costs import Planned, StepCosts
+from speculative.costs import Planned, StepCosts, verify_tokens
 from speculative.depth import DepthConfig, depth_cap
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
@@ -85,6 +85,12 @@ class Speculation:
             extra_levels,
             self.free_drafts,
         )
+
+    def verify_seconds(self, seqs: Seq[Sequence], trees: Seq[TokenTree]) -> float | None:
+        """A verify's predicted seconds over `seqs` with these trees (None: none measured yet)."""
+        if self.costs is None:
+            return None
+        return self.costs.verify(verify_tokens(seqs, trees))
 
     def plan(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Drafting:
         """Plan this round, record it on the sequences, and draft what lookup finds."""

@@ -32,6 +32,10 @@ class DraftRequest:
     # under it), so a verdict that cuts the spine can still find its next round drafted.
     spine: int = 0
     alternatives: int = 0
+    # A pre-draft hides behind a verify: it stops growing before a forward that would end more than
+    # `deadline_s` seconds after it began (the verify's predicted seconds), so the round that takes it
+    # does not wait for it. None: the whole budget.
+    deadline_s: float | None = None
 
     @property
     def committed(self) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ not computed twice.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -115,10 +116,13 @@ class DraftModelDrafter:
         at its end (the drafter's width of them) and `alternatives` other tokens where the spine is likeliest
         cut (ranked by the draft's own confidence: the spine's log-probability up to the cut plus the
         alternative's) each head a chain of `budget - 1`, all grown one token per forward, so a pre-draft
-        costs the forwards of a plain one, each a few tokens wider. Deterministic drafts only.
+        costs the forwards of a plain one, each a few tokens wider. With `deadline_s`, the chains stop
+        growing (after their first token) before a forward that would end past it (each forward expected
+        to cost the last one). Deterministic drafts only.
         """
         if not req.params.greedy and self.sampled:
             raise ValueError("a pre-draft's spine is for deterministic drafts; this drafter samples")
+        began = time.perf_counter()
         s, spine = req.spine, list(req.tokens[-req.spine :])
         base = replace(req, tokens=req.committed, spine=0, alternatives=0)  # what the nodes' contexts extend
         if req.seq_id not in self.runner.rows:
@@ -144,8 +148,13 @@ class DraftModelDrafter:
         for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
             nodes.append(_Node(tok, j, j + 1, nodes[j].score))
         leaves = list(range(s + 1, len(nodes)))
-        for _ in range(req.budget - 1):
+        last = time.perf_counter() - began  # the catch-up forward's seconds: an upper bound on a leaves' one
+        for level in range(req.budget - 1):
+            now = time.perf_counter()  # the first level always: a hit takes the drafts under the guess
+            if level and req.deadline_s is not None and now - began + last > req.deadline_s:
+                break
             logits, _ = self._forward_frontier([row], [nodes], [leaves])
+            last = time.perf_counter() - now
             for k, leaf in enumerate(leaves):
                 self._expand(base, nodes, leaf, logits[k], nodes[leaf].depth + 1, width=1)
             leaves = list(range(len(nodes) - len(leaves), len(nodes)))

@@ -118,3 +118,19 @@ def test_lookup_drafts_behind_the_spine() -> None:
     # the hybrid counts what lookup drafted beyond the spine
     (h,) = HybridDrafter(PromptLookupDrafter(2, 2), drafter()).propose([request])
     assert h.tree == p.tree
+
+
+def test_a_pre_draft_stops_growing_at_its_deadline() -> None:
+    """A pre-draft hides behind the verify: past `deadline_s` it drafts no deeper (the round would wait for
+    it), but what it holds is the same draft, cut shorter."""
+    committed = prompt(4)
+    d = drafter()
+    (round_n,) = d.propose([DraftRequest("s", tuple(committed), 3, GREEDY)])
+    spine = list(round_n.tree.tokens)
+    whole = d.propose([ahead_request("s", tuple(committed), round_n.tree, 4, GREEDY, alternatives=1)])[0].tree
+    cut = d.propose([ahead_request("s", tuple(committed), round_n.tree, 4, GREEDY, 1, deadline_s=0.0)])[0].tree
+    end = walk(whole, spine)[-1]
+    assert max(whole.depths) == len(spine) + 5, "no deadline: the guess and 4 levels under it"
+    assert max(cut.depths) == len(spine) + 2, "deadline spent: the guess and the one level a hit needs"
+    guess = whole.tokens[whole.children[end][0] - 1]
+    assert cut.tokens[cut.children[walk(cut, spine)[-1]][0] - 1] == guess
