@@ -102,16 +102,15 @@ class RoundAhead:
         if not picked:
             return None
         requests, paths, work = [], [], 0
-        trees = [x.proposal.tree if x.proposal is not None else bare_proposal(x.seq).tree for x in lives]
+        trees = {x.seq.seq_id: (x.proposal or bare_proposal(x.seq)).tree for x in lives}  # as verified
         # Hidden behind the verify about to start: no level that would end after it (the round would wait).
-        deadline = self.speculation.verify_seconds([x.seq for x in lives], trees)
-        by_id = {x.seq.seq_id: t for x, t in zip(lives, trees, strict=True)}
+        deadline = self.speculation.verify_seconds([x.seq for x in lives], list(trees.values()))
         for live, depth in picked:
-            seq, tree = live.seq, by_id[live.seq.seq_id]
+            seq, tree = live.seq, trees[live.seq.seq_id]
             alternatives = self.config.ahead_alternatives
             tokens = tuple(seq.tokens)
             request = ahead_request(
-                seq.seq_id, tokens, tree, depth, seq.params, len(seq.prompt), alternatives, deadline if depth else None
+                seq.seq_id, tokens, tree, depth, seq.params, len(seq.prompt), alternatives, deadline
             )
             requests.append(request)
             paths.append(assumed_path(tree))

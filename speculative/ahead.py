@@ -58,8 +58,7 @@ def ahead_request(
     guess and `depth` levels under it, and under each of `alternatives` branches where the spine may be cut;
     no level started that would end past `deadline_s` (`DraftRequest.deadline_s`)."""
     path = assumed_path(tree)
-    spine = (*tokens, *path)
-    return DraftRequest(seq_id, spine, depth + 1, params, prompt_len, len(path), alternatives, deadline_s)
+    return DraftRequest(seq_id, (*tokens, *path), depth + 1, params, prompt_len, len(path), alternatives, deadline_s)
 
 
 def take_ahead(pre: Proposal, committed: tuple[int, ...]) -> Proposal | None:

@@ -148,9 +148,9 @@ class DraftModelDrafter:
         for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
             nodes.append(_Node(tok, j, j + 1, nodes[j].score))
         leaves = list(range(s + 1, len(nodes)))
-        last = time.perf_counter() - began  # the catch-up forward's seconds: an upper bound on a leaves' one
-        for level in range(req.budget - 1):
-            now = time.perf_counter()  # the first level always: a hit takes the drafts under the guess
+        last = time.perf_counter() - began  # the first forward's seconds (catch-up and spine): the estimate
+        for level in range(req.budget - 1):  # the first level always: a hit takes the drafts under the guess
+            now = time.perf_counter()
             if level and req.deadline_s is not None and now - began + last > req.deadline_s:
                 break
             logits, _ = self._forward_frontier([row], [nodes], [leaves])
