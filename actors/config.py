@@ -207,7 +207,7 @@ class RouterConfig(BaseModel):
         "a lane has one micro-batch group in flight (with two, ping-pong already keeps both pools busy).",
     )
     ahead_alternatives: int = Field(
-        default=2,
+        default=1,
         ge=0,
         le=8,
         description="Besides the guess of the bonus at the end of the path it assumes accepted, a pre-draft drafts "
