@@ -26,9 +26,9 @@ def machine() -> dict[str, Any]:
     except (OSError, StopIteration):
         cpu = platform.processor()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    try:
+    try:  # "-dirty": the run's tree held uncommitted changes to tracked files, so the commit is not what ran
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True, check=False
         ).stdout.strip()
     except OSError:
         commit = ""
