@@ -14,8 +14,9 @@ from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 from speculative.drafters.medusa import DEFAULT_CHOICES
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantize = Literal["none", "int8"]
+CpuLinear = Literal["torch", "onednn"]
 
 # A replica's KV budget (speculative/kv_budget.py): the router admits a sequence only when its prompt
 # plus max_tokens fits in what is left of it, and no window larger than it is advertised.
@@ -50,7 +51,11 @@ class ModelConfig(BaseModel):
         min_length=1,
         description="A registry short name of deploy/models.py (qwen-1.5b, ...), a local HF folder or a hub id.",
     )
-    dtype: Dtype = Field(default="bfloat16", description="bfloat16 for speed on CPU; float32 for exactness tests.")
+    dtype: Dtype = Field(
+        default="auto",
+        description="auto: bfloat16 where the device computes it natively (CUDA; CPUs with AVX-512 BF16 or AMX), "
+        "else float32 (an AVX2 CPU emulates bf16 matmuls, slower than float32 ones); float32 for exactness tests.",
+    )
     device: Literal["cpu", "cuda"] = Field(
         default="cpu",
         description="Where the weights live. Chosen by configuration, never by the GPU ids Ray assigns "
@@ -67,11 +72,19 @@ class ModelConfig(BaseModel):
         description="int8: the Linear layers' weights in int8, quantized at load (torch's dynamic int8 "
         "kernels, CPU only), the rest in float32; only a draft model takes it (drafts never change output).",
     )
+    cpu_linear: CpuLinear = Field(
+        default="torch",
+        description="onednn: float32 Linear layers through oneDNN with weights prepacked at load "
+        "(speculative/cpu_linear.py; CPU only): a forward of a few tokens costs far less than with MKL's sgemm "
+        "on AMD CPUs. Other dtypes keep torch's kernels.",
+    )
 
     @model_validator(mode="after")
     def _quantize_on_cpu(self) -> ModelConfig:
         if self.quantize == "int8" and self.device != "cpu":
             raise ValueError("quantize: 'int8' runs on CPU only (torch's dynamic int8 kernels); use device: cpu")
+        if self.cpu_linear == "onednn" and self.device != "cpu":
+            raise ValueError("cpu_linear: 'onednn' is for device: cpu")
         return self
 
 
@@ -189,6 +202,8 @@ class TargetConfig(BaseModel):
     def _target_exact(self) -> TargetConfig:
         if self.model.quantize != "none":
             raise ValueError("model.quantize: the target is never quantized (its tokens are the output)")
+        if self.model.cpu_linear == "onednn" and self.tp_size > 1:
+            raise ValueError("cpu_linear: 'onednn' needs tp_size 1 (tensor parallelism shards torch's Linear layers)")
         return self
 
 

@@ -8,8 +8,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from actors.config import ModelConfig
+from speculative.cpu_linear import packed
 from speculative.grammar import GrammarCompiler
-from speculative.loading import DTYPES, quantized
+from speculative.loading import DTYPES, quantized, resolve_dtype
 
 Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (deploy.models.resolve)
 
@@ -23,10 +24,11 @@ def load_lm(config: ModelConfig, resolve: Resolver = identity) -> PreTrainedMode
         raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device here")
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    dtype = torch.float32 if config.quantize == "int8" else DTYPES[config.dtype]  # int8 kernels take float32
+    # int8 kernels take float32
+    dtype = torch.float32 if config.quantize == "int8" else DTYPES[resolve_dtype(config.dtype, config.device)]
     model = AutoModelForCausalLM.from_pretrained(resolve(config.path), dtype=dtype, attn_implementation="sdpa")
     torch.nn.Module.to(model, torch.device(config.device))  # in place; transformers types .to oddly
-    return quantized(model.eval(), config.quantize)
+    return packed(quantized(model.eval(), config.quantize), config.cpu_linear)
 
 
 def vocab_size_of(path: str, resolve: Resolver = identity) -> int:

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--target", default="qwen-1.5b", help="registry name, local HF folder or hub id")
     gen.add_argument("--draft", default="qwen-0.5b", help="registry name, local HF folder or hub id")
     gen.add_argument("--drafter", choices=["model", "lookup", "none"], default="model")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--max-depth", type=int, default=4)

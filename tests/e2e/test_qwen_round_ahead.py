@@ -4,7 +4,8 @@ round ahead gives the target's own greedy tokens, hits and misses alike.
 The YAML's application as shipped, but for the dtype (float32: exactness, not speed) and depth by
 acceptance alone (in float32 a several-token forward costs about two one-token steps on a CPU, so
 the load planner would rightly draft little, and this test is about the rounds that do). The
-reference is HF `generate(do_sample=False)` on the same chat-templated prompt ids.
+reference is HF `generate(do_sample=False)` on the same chat-templated prompt ids, the model's Linear
+layers on the YAML's kernels (`cpu_linear`), as the target replica holds them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
+from speculative.cpu_linear import packed
 from tests.actors.serve_helpers import deploy_yaml, free_port, local_ray, run_app
 from tests.fetched import fetched_dir
 
@@ -31,12 +33,12 @@ def _models() -> tuple[str, str]:
     return str(fetched_dir("qwen-1.5b")), str(fetched_dir("qwen-0.5b"))
 
 
-def _references(target: str) -> list[list[int]]:
+def _references(target: str, cpu_linear: str) -> list[list[int]]:
     """Each prompt's greedy continuation by the target alone (the model is freed after)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = packed(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), cpu_linear)
     outs = []
     for text in PROMPTS:
         rendered = tokenizer.apply_chat_template(
@@ -52,10 +54,10 @@ def _references(target: str) -> list[list[int]]:
 
 def test_local_yaml_round_ahead_greedy_identical_to_the_target_alone() -> None:
     target, _ = _models()
-    expected = _references(target)
     shipped = deploy_yaml("local.yaml", {"dtype": "float32", "speculation": {"load_adaptive": False}})
     (application,) = shipped["applications"]
     config = AppConfig.model_validate(application["args"])
+    expected = _references(target, config.cpu_linear)
     assert config.router().round_ahead, "the shipped YAML drafts round ahead"
     port = free_port()
     with local_ray(num_cpus=4):
