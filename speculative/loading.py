@@ -12,8 +12,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def native_bf16(device: str) -> bool:
     """Whether `device` computes bfloat16 matmuls natively: a CUDA device, or a CPU whose oneDNN has bf16
-    kernels (AVX-512 BF16, AMX). Elsewhere (AVX2 CPUs) a bf16 Linear is emulated: on 2 cores of an AVX2
-    AMD EPYC, Qwen 1.5B in bf16 decodes at 0.8 tokens/s and in float32 at 1.6."""
+    kernels (AVX-512 BF16, AMX). Elsewhere (AVX2 CPUs) a bf16 Linear is emulated and slower than a float32
+    one (docs/models.md has the figures)."""
     if device.startswith("cuda"):
         return True
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
