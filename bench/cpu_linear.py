@@ -39,7 +39,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     linear = torch.nn.Linear(args.inputs, args.outputs, bias=False)
-    layers = {"bfloat16": torch.nn.Linear(args.inputs, args.outputs, bias=False).to(torch.bfloat16)}
+    layers: dict[str, torch.nn.Module] = {
+        "bfloat16": torch.nn.Linear(args.inputs, args.outputs, bias=False).to(torch.bfloat16)
+    }
     layers |= {"float32": linear, "float32 oneDNN packed": PackedLinear(linear)}
     rows = []
     with torch.inference_mode():
