@@ -1,12 +1,13 @@
 """A float32 model's Linear layers through oneDNN with prepacked weights, on the CPU (`cpu_linear: onednn`).
 
-torch's float32 Linear calls MKL's sgemm, which on AMD CPUs takes a generic path: on one core of an
-AVX2 AMD EPYC a 1536x8960 Linear over 4 rows costs 4x its 1-row call, over 9 rows 5x. oneDNN with the
-weight reordered once, at load, for inputs of about `ROWS` rows (its blocked layout) costs 1.5x and
-2x there, the 1-row call about the same as MKL's: a verify of a few draft tokens, and a prompt's
-prefill, get much cheaper than before next to a decode step. The sums run in another order than
-MKL's, so logits differ from the unpacked model's by float32 rounding (~1e-4 on Qwen 1.5B); every
-forward of the model, plain decoding and verification alike, runs the same kernels.
+torch's float32 Linear calls MKL's sgemm, which on AMD CPUs takes a generic path: a Linear over a few
+rows costs several times its 1-row call. oneDNN with the weight reordered once, at load, for inputs of
+about `ROWS` rows (its blocked layout) costs about twice the 1-row call there (`bench/cpu_linear.py`):
+a verify of a few draft tokens, and a prompt's prefill, get much cheaper next to a decode step. The
+sums run in another order than MKL's, so logits differ from the unpacked model's by float32 rounding
+(~1e-4 on Qwen 1.5B); every forward of the model, plain decoding and verification alike, runs the
+same kernels. A tied LM head gets its own packed copy (the input embedding keeps the original): Qwen
+1.5B's costs 0.9 GB more.
 """
 
 from __future__ import annotations
