@@ -235,9 +235,9 @@ class RouterConfig(BaseModel):
         ge=0,
         le=1_000_000,
         description="A prompt with more tokens than this for the draft model to catch up on is not caught up on "
-        "beside its prefill: the call would hold the draft replica, and the drafts of every other sequence it "
-        "serves, for many rounds. The depth controller then decides when that sequence drafts, pricing its "
-        "catch-up.",
+        "beside a verify (round ahead): the call would hold the draft replica, and the drafts of every other "
+        "sequence it serves, for many rounds. The depth controller then decides when that sequence drafts, "
+        "pricing its catch-up.",
     )
     max_lane_sequences: int = Field(
         default=16,

@@ -13,7 +13,8 @@ max(V, D) instead of V + D). Without pipelining there is one group and a round i
 verify; so is a round with pipelining while only one group holds sequences.
 
 Round ahead (`actors/round_ahead.py`): while a group is verified, the draft pool may pre-draft its
-next round; a pre-draft the verdict matches is the next round's proposal.
+next round; a pre-draft the verdict matches is the next round's proposal. A sequence alone in its
+group verifies its second round undrafted, the draft model catching up on its prompt beside it.
 
 Sequences join between rounds (into the smaller group; a sequence joining the group that is
 already drafted is verified with an empty tree, which prefills it and yields one token) and leave
@@ -177,6 +178,11 @@ class Lane:
         if g is None:
             return None
         group = list(self.groups[g].values())
+        alone = len(group) == 1 and sum(1 for x in self.groups if x) == 1  # verified round ahead, next
+        if self.round_ahead and alone and self.ahead.catches_up(group[0], 1):
+            # the draft model catches up beside this round's verify, drafting the next
+            self.predicted[g], self.drafted[g] = None, True
+            return _Half()
         lives = [x for x in group if x.proposal is None]  # the others hold their pre-drafts
         # The other group's verify runs beside this draft; or, for one sequence drafting round ahead, this
         # round's draft is the exception (a miss) and the next is drafted beside the verify.

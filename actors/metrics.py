@@ -119,7 +119,7 @@ class RouterMetrics:
     def ahead(self, tried: int, hits: int, outcome: str, unverified: int = 0) -> None:
         """A pre-draft of `tried` sequences ended: settled in its round (`hits` of them hit), or late."""
         if outcome == "late":
-            if tried:  # (a prefill's catch-up drafts for no sequence; Ray's counters refuse 0)
+            if tried:  # (a catch-up call drafts for no sequence; Ray's counters refuse 0)
                 self.predraft.inc(tried, tags={"outcome": "late"})
             return
         if hits:

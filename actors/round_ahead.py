@@ -1,13 +1,16 @@
 """Round ahead in a lane (`speculative/ahead.py`): the next round's drafts, made beside a verify.
 
 While a group is verified, the draft pool pre-drafts that group's next round from the continuation
-it expects, for a group of one sequence (at one stream nothing else would overlap), and catches up
-on the prompt of every sequence in its prefill round beside the target's prefill (never before the
-first token nor after it; a prompt over `router.ahead_prefill_tokens` is left to the depth
-controller, which prices its catch-up). A prefill's catch-up drafts nothing: draft forwards beside
-the prefill slow it where the pools share a machine's memory bandwidth, and the draft's guess of a
-chat's first token is seldom the target's. When the verdict matches, the next verify
-starts at once with that draft; when not, the sequence is drafted again at the next round's start.
+it expects, for a group of one sequence (at one stream nothing else would overlap). Nothing runs
+beside a prefill: the draft model's catch-up on the prompt is compute-bound like the prefill, and
+beside it slows the first token where the pools share a machine (two cores of one CPU). A sequence
+alone in its group instead verifies its second round with no draft while the draft model catches
+up on the prompt and pre-drafts the third round beside that verify, under its guesses of the
+verify's token (the draft's likeliest next tokens); a prompt over `router.ahead_prefill_tokens`,
+and a sequence beside others, is left to the depth controller, which prices its catch-up (with
+ping-pong, in the draft half beside the other group's verify). When the verdict matches, the next
+verify starts at once with that draft; when not, the sequence is drafted again at the next round's
+start.
 The round waits for a pre-draft at most as long as its verify took; a later one is dropped, and the
 pool is not called again until it has answered.
 """
@@ -35,7 +38,8 @@ class PreDraft:
     lives: list[Live]
     paths: list[list[int]]  # per live, the draft tokens the pre-draft assumes accepted
     released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
-    depths: list[int]  # per live, its depth (0: a prefill's catch-up, drafting nothing)
+    depths: list[int]  # per live, its depth (0: a catch-up, drafting nothing)
+    catching_up: bool = False  # its sequence's prompt is caught up on (`RoundAhead.catches_up`): awaited whole
 
     @property
     def drafting(self) -> int:
@@ -60,57 +64,77 @@ class RoundAhead:
     def __init__(self, calls: DraftCalls, config: RouterConfig, metrics: RouterMetrics, speculation: Speculation):
         self.calls, self.config, self.metrics, self.speculation = calls, config, metrics, speculation
 
+    def catches_up(self, live: Live, group_size: int) -> bool:
+        """Whether this sequence's round verifies no draft while the draft model catches up on its prompt and
+        pre-drafts its next round beside that verify: past its prefill, alone in its group, never drafted
+        (the pool has seen none of it), its prompt within `ahead_prefill_tokens`, and speculating."""
+        seq = live.seq
+        return (
+            group_size == 1
+            and seq.stats.steps > 0
+            and not live.draft_seen
+            and len(seq.tokens) <= self.config.ahead_prefill_tokens
+            and seq.params.max_draft_tokens != 0
+            and seq.params.max_tokens - len(seq.output) > 2  # a drafting round after this one
+            and self._deterministic(live)
+            and self.calls.pool is not None
+            and self.calls.free()
+        )
+
+    def _deterministic(self, live: Live) -> bool:
+        """The sequence's tokens do not depend on the draft: greedy, or deterministic drafts."""
+        return live.seq.params.greedy or not self.config.drafts_sampled
+
     def depth(self, live: Live, group_size: int, target_waiting: int) -> int | None:
         """How deep to pre-draft this sequence's next round (None: not at all).
 
-        A sequence in its prefill round is caught up on, 0 deep, if its prompt is no longer than
-        `ahead_prefill_tokens` (a longer catch-up would hold the draft replica, and every other
-        sequence's drafts, for many rounds);
-        one drafting alone in its group drafts what the planner chooses for its next round, priced as
-        overlapped (a hit hides the draft behind the verify); others are planned at their round's
-        start. Only sequences whose tokens do not depend on the draft (greedy, deterministic drafts)
-        pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
+        A sequence drafting alone in its group drafts what the planner chooses for its next round, priced
+        as overlapped (a hit hides the draft behind the verify), and so does one catching up
+        (`catches_up`; 0 deep where the planner drafts nothing: it still catches up); others are planned at
+        their round's start. Only sequences whose tokens do not depend on the draft (greedy, deterministic
+        drafts) pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
         """
-        seq, config, speculation = live.seq, self.config, self.speculation
-        if not (seq.params.greedy or not config.drafts_sampled):
-            return None
+        seq, speculation = live.seq, self.speculation
         tree = live.proposal.tree if live.proposal is not None else None
-        if not seq.stats.steps:  # prefill: once (a long prompt's later chunk rounds find the draft caught up)
-            if not 0 < len(seq.tokens) - live.draft_seen <= config.ahead_prefill_tokens:
-                return None
-            # (with no drafting round after it, as when max_tokens < 3, nothing to catch up for)
-            return 0 if seq.params.max_draft_tokens != 0 and seq.params.max_tokens > 2 else None
-        if group_size == 1 and tree is not None and tree.size:
-            # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
-            plan = speculation.depths([seq], 1, target_waiting, overlapped=True, extra_levels=1)
-            if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
-                return None
-            depth = plan.depths[0]
-        else:
+        catching_up = self.catches_up(live, group_size)
+        catch_up = 0 if catching_up else None  # the depth of a call that only catches up
+        drafted = tree is not None and tree.size
+        if not (catching_up or (group_size == 1 and drafted and self._deterministic(live))):
             return None
+        # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
+        plan = speculation.depths([seq], 1, target_waiting, overlapped=True, extra_levels=1)
+        if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
+            return catch_up
+        depth = plan.depths[0]
         path = len(assumed_path(tree)) if tree is not None else 0
         own = seq.params.max_draft_tokens if seq.params.max_draft_tokens is not None else depth
         # After a hit this round commits path + bonus; the next then adds at least one token.
         depth = min(depth, own, seq.params.max_tokens - len(seq.output) - path - 2)
-        return depth if depth > 0 else None
+        return depth if depth > 0 else catch_up
 
     def start(self, g: int, cache_key: str, lives: list[Live], target_waiting: int) -> PreDraft | None:
         """Send the pre-drafts of this group's next round, beside the verify about to start."""
         if self.calls.pool is None or not self.calls.free():
             return None
+        catching_up = len(lives) == 1 and self.catches_up(lives[0], 1)
         picked = [(x, d) for x in lives if (d := self.depth(x, len(lives), target_waiting)) is not None]
         if not picked:
             return None
         requests, paths, work = [], [], 0
         trees = {x.seq.seq_id: (x.proposal or bare_proposal(x.seq)).tree for x in lives}  # as verified
-        # Hidden behind the verify about to start: no level that would end after it (the round would wait).
-        deadline = self.speculation.verify_seconds([x.seq for x in lives], list(trees.values()))
+        # Hidden behind the verify about to start: no level that would end after it (the round would wait);
+        # a catch-up drafts its whole depth, as the round's start would have after catching up in its place.
+        deadline = (
+            None if catching_up else self.speculation.verify_seconds([x.seq for x in lives], list(trees.values()))
+        )
         for live, depth in picked:
             seq, tree = live.seq, trees[live.seq.seq_id]
-            alternatives = self.config.ahead_alternatives
+            # a catch-up (0 deep) is a plain draft call, its guess unused; with no spine (beside a verify of no
+            # draft) the alternatives are more guesses of the bonus (`_propose_ahead`)
+            alternatives = self.config.ahead_alternatives if depth else 0
             tokens = tuple(seq.tokens)
             request = ahead_request(
-                seq.seq_id, tokens, tree, depth, seq.params, len(seq.prompt), alternatives, deadline
+                seq.seq_id, tokens, tree, depth, seq.params, len(seq.prompt), alternatives, deadline if depth else None
             )
             requests.append(request)
             paths.append(assumed_path(tree))
@@ -119,7 +143,7 @@ class RoundAhead:
             stats = seq.stats
             stats.draft_synced, stats.drafted_at, stats.draft_catch_up = len(request.tokens), stats.steps, 0
         task, released = self.calls.send(g, cache_key, requests, work)
-        return PreDraft(g, task, [x for x, _ in picked], paths, released, [d for _, d in picked])
+        return PreDraft(g, task, [x for x, _ in picked], paths, released, [d for _, d in picked], catching_up)
 
     def drop(self, pre: PreDraft) -> None:
         """Leave a pre-draft to finish unused; the pool is not called until it has answered."""
@@ -132,14 +156,15 @@ class RoundAhead:
         the proposals of `group`'s (the pre-draft's group) next round; None: nothing came in time.
 
         Waits at most `verify_s` (the verify's own duration) for the pre-draft; a later one is left to
-        finish, its drafts dropped (the pool is not called again until it answers). When every sequence
+        finish, its drafts dropped (the pool is not called again until it answers). One catching up on a
+        prompt is awaited whole: the next round would otherwise wait for that catch-up and a draft. When every sequence
         of it is still prefilling (a chunk of a long prompt), nothing of it can be taken: the next chunk's
         round starts at once, and the draft model's catch-up goes on beside it."""
         if not any(committed.get(x.seq.seq_id) for x in pre.lives):
             self.drop(pre)
             self.metrics.ahead(pre.drafting, 0, "settled")  # misses: drafted for a prompt not yet done
             return None
-        done, _ = await asyncio.wait({pre.task}, timeout=verify_s)
+        done, _ = await asyncio.wait({pre.task}, timeout=None if pre.catching_up else verify_s)
         if not done:
             self.drop(pre)
             self.metrics.ahead(pre.drafting, 0, "late")

@@ -38,6 +38,12 @@ class DraftRequest:
     deadline_s: float | None = None
 
     @property
+    def pre_draft(self) -> bool:
+        """Made beside a verify for the round after it (a spine, alternatives or a deadline); one beside a
+        verify of no draft has no spine, and its guesses are of that verify's token."""
+        return self.spine > 0 or self.alternatives > 0 or self.deadline_s is not None
+
+    @property
     def committed(self) -> tuple[int, ...]:
         """The tokens the target has committed: `tokens` without the spine."""
         return self.tokens[: len(self.tokens) - self.spine]

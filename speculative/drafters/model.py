@@ -75,7 +75,7 @@ class DraftModelDrafter:
         return len(self.runner.rows)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        ahead = [r.spine > 0 and r.budget > 0 for r in requests]  # pre-drafts with a spine: their own forwards
+        ahead = [r.budget > 0 and r.pre_draft for r in requests]  # pre-drafts: their own forwards
         drafted = iter(self._propose([r for r, a in zip(requests, ahead, strict=True) if not a]))
         return [self._propose_ahead(r) if a else next(drafted) for r, a in zip(requests, ahead, strict=True)]
 
@@ -110,20 +110,23 @@ class DraftModelDrafter:
         return [proposals.get(r.seq_id) or empty_proposal(r) for r in requests]
 
     def _propose_ahead(self, req: DraftRequest) -> Proposal:
-        """A pre-draft with a spine (`DraftRequest.spine`), rooted at the last committed token.
+        """A pre-draft (`DraftRequest.pre_draft`), rooted at the last committed token.
 
         One forward over the spine gives the draft's scores at each of its nodes; the guesses of the bonus
         at its end (the drafter's width of them) and `alternatives` other tokens where the spine is likeliest
         cut (ranked by the draft's own confidence: the spine's log-probability up to the cut plus the
         alternative's) each head a chain of `budget - 1`, all grown one token per forward, so a pre-draft
-        costs the forwards of a plain one, each a few tokens wider. With `deadline_s`, the chains stop
+        costs the forwards of a plain one, each a few tokens wider. With no spine (beside a verify of no draft,
+        the first forward catching up on the prompt) nothing can be cut, and the alternatives are more
+        guesses of the bonus: the draft's next most likely tokens there. With `deadline_s`, the chains stop
         growing (after their first token) before a forward that would end past it (each forward expected
         to cost the last one). Deterministic drafts only.
         """
         if not req.params.greedy and self.sampled:
             raise ValueError("a pre-draft's spine is for deterministic drafts; this drafter samples")
         began = time.perf_counter()
-        s, spine = req.spine, list(req.tokens[-req.spine :])
+        s = req.spine
+        spine = list(req.tokens[len(req.tokens) - s :])
         base = replace(req, tokens=req.committed, spine=0, alternatives=0)  # what the nodes' contexts extend
         if req.seq_id not in self.runner.rows:
             self.runner.add_rows([req.seq_id])
@@ -144,7 +147,8 @@ class DraftModelDrafter:
             if math.isfinite(float(confidence[other])):  # not a token the request's processors rule out
                 cuts.append((nodes[j].score + float(confidence[other]), j, other))
             nodes.append(_Node(tok, j, j + 1, nodes[j].score + float(confidence[tok]), column=n - s + j))
-        self._expand(base, nodes, s, logits[s], s + 1)  # the guesses of the bonus
+        guesses = self.width + (0 if s else req.alternatives)
+        self._expand(base, nodes, s, logits[s], s + 1, width=guesses)  # the guesses of the bonus
         for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
             nodes.append(_Node(tok, j, j + 1, nodes[j].score))
         leaves = list(range(s + 1, len(nodes)))

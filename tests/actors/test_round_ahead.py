@@ -11,7 +11,7 @@ import asyncio
 from actors.router import Router
 from speculative.drafters.config import DrafterConfig
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
-from tests.actors.test_router_local import make_router
+from tests.actors.test_router_local import make_router, run_all
 
 
 async def one_at_a_time(router: Router, requests: list[tuple[list[int], int]], sampling: dict) -> list[dict]:
@@ -67,19 +67,33 @@ def with_slow_verifies(router: Router, every: bool = False, delay_s: float = 2.0
     return router
 
 
-def test_a_prompt_is_caught_up_on_beside_the_target_prefill(tiny_pair: TinyPair) -> None:
-    """The first draft call of a sequence rides beside its prefill verify and only catches up: the draft
-    model has the prompt before the second round, and no draft forward ran beside the prefill."""
+def test_nothing_runs_beside_a_prefill_and_the_next_round_catches_up(tiny_pair: TinyPair) -> None:
+    """Alone in its lane, a sequence's prefill verify has no draft call beside it (its first token waits for
+    no draft work); its second round verifies no draft while the draft model catches up on the prompt and
+    pre-drafts the third round beside it, so on a hit the third verify starts with no draft call first."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
-    router = with_slow_verifies(make_router(tiny_pair))
+    router = with_slow_verifies(make_router(tiny_pair), every=True, delay_s=0.05)
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
-    first = router._records[0]
-    assert first.verified_seqs == 1 and first.draft is None, "the prefill round made no draft call before it"
-    assert first.ahead is not None, "the draft model caught up on the prompt beside the prefill"
-    assert first.ahead.start < first.verify.end  # type: ignore[union-attr]
-    assert first.ahead_tried == 0 and first.unverified == 1, "it drafted nothing (its one guess is free)"
-    assert router._records[1].draft is not None, "the second round drafts (caught up: no catch-up first)"
+    prefill, second, third = list(router._records)[:3]
+    assert prefill.verified_seqs == 1 and prefill.draft is None and prefill.ahead is None, "nothing beside it"
+    assert second.draft is None, "the second round drafted nothing before its verify"
+    assert second.ahead is not None and second.ahead.start < second.verify.end  # type: ignore[union-attr]
+    assert second.ahead_tried == 1 and second.ahead_hits == 1, "caught up, it pre-drafted the third round"
+    assert third.draft is None and third.verified_seqs == 1, "the third verify took the pre-draft"
+
+
+def test_sequences_prefilled_together_leave_their_catch_up_to_the_depth_controller(tiny_pair: TinyPair) -> None:
+    """Beside others a sequence is not caught up on round ahead (a pre-draft each would hold the draft
+    replica for their forwards one after another): its round drafts as the depth controller plans."""
+    requests = prompts_and_lengths(2, seed=4)
+    router = with_slow_verifies(make_router(tiny_pair, pipelining=False))
+    results = asyncio.run(run_all(router, requests))
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+    prefill, second = list(router._records)[:2]
+    assert prefill.verified_seqs == 2 and prefill.draft is None and prefill.ahead is None
+    assert second.draft is not None and second.ahead is None, "drafted at its round's start"
 
 
 def test_round_ahead_on_and_off_give_the_same_tokens(tiny_pair: TinyPair) -> None:
@@ -143,14 +157,14 @@ def test_a_draft_replica_yields_the_cpu_to_the_target(tiny_pair: TinyPair) -> No
     assert out.stdout.split() == ["0", "7"]
 
 
-def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_beside_its_prefill(tiny_pair: TinyPair) -> None:
+def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_round_ahead(tiny_pair: TinyPair) -> None:
     """A long prompt's catch-up would hold the draft replica, and every other sequence's drafts, for many
-    rounds: beside its prefill only prompts within `ahead_prefill_tokens` are pre-drafted; the output is
-    the target's either way."""
+    rounds: only sequences within `ahead_prefill_tokens` (prompt and first token) are caught up on beside
+    their second verify; the output is the target's either way."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
-    for limit, pre_drafted in ((len(prompt), True), (len(prompt) - 1, False)):
-        router = with_slow_verifies(make_router(tiny_pair, ahead_prefill_tokens=limit))
+    for limit, caught_up in ((len(prompt) + 1, True), (len(prompt), False)):
+        router = with_slow_verifies(make_router(tiny_pair, ahead_prefill_tokens=limit), every=True, delay_s=0.05)
         result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 12}))
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 12)
-        first = router._records[0]
-        assert (first.ahead is not None) is pre_drafted, limit
+        second = list(router._records)[1]
+        assert (second.ahead is not None and second.draft is None) is caught_up, limit

@@ -71,6 +71,24 @@ def test_every_branch_of_a_pre_draft_is_the_draft_made_from_its_prefix(arch: str
     assert branches == 2, "two heads are alternatives where the spine is cut"
 
 
+def test_a_pre_draft_with_no_spine_guesses_the_bonus_among_its_alternatives() -> None:
+    """Beside a verify of no draft (a sequence's second round, its prompt caught up on) there is no spine: the
+    alternatives are more guesses of that verify's token, the draft's next most likely, each heading the
+    chain a fresh drafter makes from it."""
+    committed = prompt(5)
+    bare = TokenTree.chain(committed[-1], [])
+    request = ahead_request("s", tuple(committed), bare, 3, GREEDY, alternatives=2)
+    assert request.spine == 0 and request.pre_draft
+    (pre,) = drafter().propose([request])
+    guesses = [pre.tree.tokens[c - 1] for c in pre.tree.children[0]]
+    scores = drafter().runner.model(torch.tensor([committed])).logits[0, -1, :VOCAB]
+    assert guesses == torch.topk(scores, 3).indices.tolist(), "the draft's three most likely first tokens"
+    assert pre.tree.size == 3 * (1 + 3)
+    for token in guesses:
+        taken = take_ahead(pre, (token,))
+        assert taken is not None and list(taken.tree.tokens) == fresh_chain("qwen2", [*committed, token], 3)
+
+
 def test_the_drafter_keeps_the_guessed_path_for_the_next_round() -> None:
     """After a hit on the guess, the next pre-draft's catch-up is only the new tokens: the kept KV is the
     guess chain's, and its drafts are still the fresh drafter's."""

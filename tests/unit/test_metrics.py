@@ -48,7 +48,7 @@ def test_sequence_stats_count_draft_rounds_as_vllm_does() -> None:
 
 
 def test_a_pre_draft_that_drafted_for_no_sequence_counts_nothing(ray_metrics: FakeRayMetrics) -> None:
-    """A prefill's catch-up drafts nothing: late or settled, it is no pre-draft outcome (and Ray's
+    """A catch-up call drafts nothing: late or settled, it is no pre-draft outcome (and Ray's
     counters fail the caller on an increment of 0, which would end the lane's requests)."""
     metrics, made = RouterMetrics(), ray_metrics.made
     metrics.ahead(0, 0, "late")
