@@ -146,7 +146,7 @@ class Lane:
         busy = [g for g, group in enumerate(self.groups) if group]
         if len(busy) == 1:  # nothing to overlap with: draft and verify in one round
             g = busy[0]
-            draft = await self._draft(g) if not self.drafted[g] else None
+            draft = await self._draft(g, ahead=self.round_ahead) if not self.drafted[g] else None
             verify = await self._verify(g, ahead=self.round_ahead)
         else:
             vg = next((g for g in (0, 1) if self.drafted[g] and self.groups[g]), None)
@@ -174,13 +174,12 @@ class Lane:
                 self._leave(g, live)
 
     # ---- draft -------------------------------------------------------------------------
-    async def _draft(self, g: int | None) -> _Half | None:
+    async def _draft(self, g: int | None, ahead: bool = False) -> _Half | None:
         if g is None:
             return None
         group = list(self.groups[g].values())
-        alone = len(group) == 1 and sum(1 for x in self.groups if x) == 1  # verified round ahead, next
-        if self.round_ahead and alone and self.ahead.catches_up(group[0], 1):
-            # the draft model catches up beside this round's verify, drafting the next
+        if ahead and len(group) == 1 and self.ahead.catches_up(group[0]):
+            # the draft model catches up beside this round's verify (round ahead), drafting the next
             self.predicted[g], self.drafted[g] = None, True
             return _Half()
         lives = [x for x in group if x.proposal is None]  # the others hold their pre-drafts

@@ -11,8 +11,9 @@ and a sequence beside others, is left to the depth controller, which prices its 
 ping-pong, in the draft half beside the other group's verify). When the verdict matches, the next
 verify starts at once with that draft; when not, the sequence is drafted again at the next round's
 start.
-The round waits for a pre-draft at most as long as its verify took; a later one is dropped, and the
-pool is not called again until it has answered.
+The round waits for a pre-draft at most as long as its verify took (a catch-up: until it answers,
+within its call's deadline); a later one is dropped, and the pool is not called again until it has
+answered.
 """
 
 from __future__ import annotations
@@ -64,14 +65,13 @@ class RoundAhead:
     def __init__(self, calls: DraftCalls, config: RouterConfig, metrics: RouterMetrics, speculation: Speculation):
         self.calls, self.config, self.metrics, self.speculation = calls, config, metrics, speculation
 
-    def catches_up(self, live: Live, group_size: int) -> bool:
-        """Whether this sequence's round verifies no draft while the draft model catches up on its prompt and
-        pre-drafts its next round beside that verify: past its prefill, alone in its group, never drafted
-        (the pool has seen none of it), its prompt within `ahead_prefill_tokens`, and speculating."""
+    def catches_up(self, live: Live) -> bool:
+        """Whether this sequence, alone in its group, verifies its round with no draft while the draft model
+        catches up on its prompt and pre-drafts its next round beside that verify: past its prefill, never
+        drafted (the pool has seen none of it), its prompt within `ahead_prefill_tokens`, and speculating."""
         seq = live.seq
         return (
-            group_size == 1
-            and seq.stats.steps > 0
+            seq.stats.steps > 0
             and not live.draft_seen
             and len(seq.tokens) <= self.config.ahead_prefill_tokens
             and seq.params.max_draft_tokens != 0
@@ -85,18 +85,17 @@ class RoundAhead:
         """The sequence's tokens do not depend on the draft: greedy, or deterministic drafts."""
         return live.seq.params.greedy or not self.config.drafts_sampled
 
-    def depth(self, live: Live, group_size: int, target_waiting: int) -> int | None:
+    def depth(self, live: Live, group_size: int, target_waiting: int, catching_up: bool = False) -> int | None:
         """How deep to pre-draft this sequence's next round (None: not at all).
 
         A sequence drafting alone in its group drafts what the planner chooses for its next round, priced
-        as overlapped (a hit hides the draft behind the verify), and so does one catching up
-        (`catches_up`; 0 deep where the planner drafts nothing: it still catches up); others are planned at
+        as overlapped (a hit hides the draft behind the verify), and so does one `catching_up` (`catches_up`;
+        0 deep where the planner drafts nothing: it still catches up); others are planned at
         their round's start. Only sequences whose tokens do not depend on the draft (greedy, deterministic
         drafts) pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
         """
         seq, speculation = live.seq, self.speculation
         tree = live.proposal.tree if live.proposal is not None else None
-        catching_up = self.catches_up(live, group_size)
         catch_up = 0 if catching_up else None  # the depth of a call that only catches up
         drafted = tree is not None and tree.size
         if not (catching_up or (group_size == 1 and drafted and self._deterministic(live))):
@@ -116,8 +115,9 @@ class RoundAhead:
         """Send the pre-drafts of this group's next round, beside the verify about to start."""
         if self.calls.pool is None or not self.calls.free():
             return None
-        catching_up = len(lives) == 1 and self.catches_up(lives[0], 1)
-        picked = [(x, d) for x in lives if (d := self.depth(x, len(lives), target_waiting)) is not None]
+        catching_up = len(lives) == 1 and self.catches_up(lives[0])
+        n = len(lives)
+        picked = [(x, d) for x in lives if (d := self.depth(x, n, target_waiting, catching_up)) is not None]
         if not picked:
             return None
         requests, paths, work = [], [], 0
@@ -164,6 +164,7 @@ class RoundAhead:
             self.drop(pre)
             self.metrics.ahead(pre.drafting, 0, "settled")  # misses: drafted for a prompt not yet done
             return None
+        # (a catch-up's wait ends within its call's own deadline, sized to its work: `DraftCalls.send`)
         done, _ = await asyncio.wait({pre.task}, timeout=None if pre.catching_up else verify_s)
         if not done:
             self.drop(pre)
