@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import apps, figures, report
 from bench.single_stream import PROMPTS as SINGLE_STREAM_PROMPTS
-from deploy.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stream_chat
+from deploy.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stop_local_ray, stream_chat
 
 NAME = "round_ahead"
 PROMPTS = {
@@ -81,7 +81,6 @@ def main() -> None:
     shipped = apps.shipped(args.config)
     sequential = apps.variant(shipped, {"router_pool": {"router": {"round_ahead": False}}})
     model = apps.served_name(shipped)
-    import ray
     from ray import serve
 
     start_local_ray(shipped, apps=2)
@@ -93,8 +92,7 @@ def main() -> None:
         stats = serve.get_app_handle("ahead").stats.remote().result()
         firsts = first_tokens(urls["ahead"], model, args.ttft_rounds, args.ttft_max_tokens)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
     write(args, runs, stats, firsts)
 
 

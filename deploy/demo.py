@@ -14,6 +14,7 @@ metrics agent serves the application's metrics for Prometheus on `--metrics-port
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -212,6 +213,20 @@ def start_local_ray(args: dict[str, Any], apps: int = 1, metrics_port: int = MET
     return metrics
 
 
+def stop_local_ray() -> None:
+    """Shut Serve and the embedded Ray down. What they report on the way (Ray prints an actor killed
+    mid-call, such as Serve's controller, on the driver's stdout) goes to Ray's log folder with their
+    other lines, not into the demo's output."""
+    import ray
+    from ray import serve
+
+    logs = Path(_session_logs())
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "shutdown.log", "a") as sink, contextlib.redirect_stdout(sink):
+        serve.shutdown()
+        ray.shutdown()
+
+
 def deploy_local(
     args: dict[str, Any], port: int, grpc_options: dict[str, Any] | None = None, name: str = "specserve"
 ) -> str:
@@ -248,9 +263,6 @@ def serve_demo(
     port: int = 8000,
     metrics_port: int = METRICS_PORT,
 ) -> int:
-    import ray
-    from ray import serve
-
     grpc_options, args = app_block(config_path)
     for key in ("target_model", "draft_model"):
         if args.get(key) in REGISTRY:
@@ -276,6 +288,5 @@ def serve_demo(
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
     return 0
