@@ -10,7 +10,7 @@ from typing import Any
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.demo import app_block, wait_ready
+from deploy.demo import app_block, stop_local_ray, wait_ready
 
 REPO = str(Path(__file__).resolve().parents[1])  # the replicas' PYTHONPATH: they import this repository
 
@@ -49,8 +49,7 @@ def local_serve(num_cpus: int, port: int | None = None) -> Iterator[None]:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
 
 
 def deploy_http(apps: dict[str, dict[str, Any]], port: int, timeout_s: float = 900) -> dict[str, str]:
