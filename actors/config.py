@@ -15,7 +15,7 @@ from speculative.drafters.config import DrafterConfig
 from speculative.drafters.medusa import DEFAULT_CHOICES
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Quantize = Literal["none", "int8"]
+Quantize = Literal["none", "int8", "int4", "auto"]
 CpuLinear = Literal["torch", "onednn"]
 
 # A replica's KV budget (speculative/kv_budget.py): the router admits a sequence only when its prompt
@@ -70,7 +70,9 @@ class ModelConfig(BaseModel):
     quantize: Quantize = Field(
         default="none",
         description="int8: the Linear layers' weights in int8, quantized at load (torch's dynamic int8 "
-        "kernels, CPU only), the rest in float32; only a draft model takes it (drafts never change output).",
+        "kernels, CPU only), the rest in float32; int4: 4-bit weight groups for forwards of a few tokens, the "
+        "model in bfloat16 (speculative/int4_linear.py, CPU only); auto: int4 on a CPU with native bfloat16, "
+        "int8 on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
     )
     cpu_linear: CpuLinear = Field(
         default="torch",
@@ -81,8 +83,8 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _quantize_on_cpu(self) -> ModelConfig:
-        if self.quantize == "int8" and self.device != "cpu":
-            raise ValueError("quantize: 'int8' runs on CPU only (torch's dynamic int8 kernels); use device: cpu")
+        if self.quantize in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(f"quantize: {self.quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu")
         if self.cpu_linear == "onednn" and self.device != "cpu":
             raise ValueError("cpu_linear: 'onednn' is for device: cpu")
         return self

@@ -247,7 +247,9 @@ class AppConfig(BaseModel):
     draft_quantize: Quantize = Field(
         default="none",
         description="int8: the draft model's Linear weights in int8 (CPU only; the rest of it in float32), "
-        "about 2x faster per draft step than bfloat16 on a CPU; the target is never quantized.",
+        "about 2x faster per draft step than bfloat16 on a CPU; int4: 4-bit weight groups for draft steps, "
+        "bfloat16 for catch-up (CPU only; fastest where bfloat16 is native); auto: int4 on CPUs with native "
+        "bfloat16, int8 on other CPUs, none on a GPU. The target is never quantized.",
     )
     cpu_linear: CpuLinear = Field(
         default="torch",
@@ -278,8 +280,10 @@ class AppConfig(BaseModel):
     def _draft_model_when_needed(self) -> AppConfig:
         if self.drafter.kind == "model" and self.draft_model is None:
             raise ValueError("draft_model: drafter kind 'model' needs a draft model")
-        if self.draft_quantize == "int8" and self.device != "cpu":
-            raise ValueError("draft_quantize: 'int8' runs on CPU only (torch's dynamic int8 kernels); use device: cpu")
+        if self.draft_quantize in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(
+                f"draft_quantize: {self.draft_quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu"
+            )
         if self.cpu_linear == "onednn" and (self.device != "cpu" or self.tp_size > 1):
             raise ValueError("cpu_linear: 'onednn' is for device: cpu with tp_size 1")
         return self

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from speculative.int4_linear import int4_quantized
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,19 +67,39 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, user: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"])
 
 
-def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
-    """`model` with its Linear layers' weights in int8 (`mode` "int8"; "none": unchanged).
+def resolve_quantize(mode: str, device: str = "cpu") -> str:
+    """The draft weights' format on this machine: `auto` is int4 where a CPU computes bfloat16 natively (its
+    kernel takes bfloat16 activations), int8 on other CPUs, none on a GPU (resolved where the weights load)."""
+    if mode != "auto":
+        return mode
+    if device != "cpu":
+        return "none"
+    return "int4" if native_bf16(device) else "int8"
 
-    torch's dynamic int8 Linear (fbgemm on x86: per-output-channel weight scales, activations quantized
-    per call) on a float32 model, CPU only: a memory-bound decode step reads a quarter of float32's
-    bytes, half of bfloat16's. For draft models: a draft's tokens are only proposals, so a quantized
-    draft changes how many are accepted, never the output. The LM head is quantized too (an untied
-    copy; the input embeddings stay float32).
+
+def load_dtype(dtype: str, quantize: str, device: str = "cpu") -> str:
+    """The dtype the weights load in before `quantized`: its kernels' activations for int8 (float32) and
+    int4 (bfloat16), else `resolve_dtype`."""
+    return {"int8": "float32", "int4": "bfloat16"}.get(resolve_quantize(quantize, device), resolve_dtype(dtype, device))
+
+
+def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
+    """`model` with its Linear layers' weights in int8 or int4 (`mode` "int8", "int4", "auto": by
+    `resolve_quantize`; "none": unchanged). For draft models: a draft's tokens are only proposals, so a
+    quantized draft changes how many are accepted, never the output. The LM head is quantized too.
+
+    int8: torch's dynamic int8 Linear (fbgemm on x86: per-output-channel weight scales, activations quantized
+    per call) on a float32 model, CPU only: a memory-bound decode step reads a quarter of float32's bytes, half
+    of bfloat16's (an untied head copy; the input embeddings stay float32). int4: `int4_linear` on a bfloat16
+    model, CPU only.
     """
+    mode = resolve_quantize(mode, next(model.parameters()).device.type)
     if mode == "none":
         return model
+    if mode == "int4":
+        return int4_quantized(model)
     if mode != "int8":
-        raise ValueError(f"quantize: expected 'none' or 'int8', got {mode!r}")
+        raise ValueError(f"quantize: expected 'none', 'int8', 'int4' or 'auto', got {mode!r}")
     if next(model.parameters()).device.type != "cpu" or next(model.parameters()).dtype != torch.float32:
         raise ValueError("quantize: 'int8' needs a float32 model on the CPU")
     import warnings

@@ -112,59 +112,77 @@ class DraftModelDrafter:
     def _propose_ahead(self, req: DraftRequest) -> Proposal:
         """A pre-draft (`DraftRequest.pre_draft`), rooted at the last committed token.
 
-        One forward over the spine gives the draft's scores at each of its nodes; the guesses of the bonus
-        at its end (the drafter's width of them) and `alternatives` other tokens where the spine is likeliest
-        cut (ranked by the draft's own confidence: the spine's log-probability up to the cut plus the
-        alternative's) each head a chain of `budget - 1`, all grown one token per forward, so a pre-draft
-        costs the forwards of a plain one, each a few tokens wider. With no spine (beside a verify of no draft,
-        the first forward catching up on the prompt) nothing can be cut, and the alternatives are more
-        guesses of the bonus: the draft's next most likely tokens there. With `deadline_s`, the chains stop
-        growing (after their first token) before a forward that would end past it (each forward expected
-        to cost the last one). Deterministic drafts only.
+        The first forward brings the draft's cache to the spine's end, whose logits give the guesses of the
+        bonus (the drafter's width of them); with `alternatives`, it also scores every spine node, and that
+        many other tokens where the spine is likeliest cut (ranked by the draft's own confidence: the
+        spine's log-probability up to the cut plus the alternative's) head chains too. Without them, the
+        spine's keys and values kept from the last call (`_keep_likely_path`) are reused, so that forward
+        is one token wide. Every chain grows one token per forward, so a pre-draft costs the forwards of a
+        plain one, each a few tokens wider. With no spine (beside a verify of no draft, the first forward
+        catching up on the prompt) nothing can be cut, and the alternatives are more guesses of the bonus:
+        the draft's next most likely tokens there. With `deadline_s`, the chains stop growing (after their
+        first token) before a forward whose first half would end past it (each expected to cost the last
+        one): a level ending a little late delays the round by less than the token it adds is worth.
+        Deterministic drafts only.
         """
         if not req.params.greedy and self.sampled:
             raise ValueError("a pre-draft's spine is for deterministic drafts; this drafter samples")
         began = time.perf_counter()
-        s = req.spine
-        spine = list(req.tokens[len(req.tokens) - s :])
         base = replace(req, tokens=req.committed, spine=0, alternatives=0)  # what the nodes' contexts extend
         if req.seq_id not in self.runner.rows:
             self.runner.add_rows([req.seq_id])
         row = self.runner.row(req.seq_id)
         heads = self.width + req.alternatives
         self.runner.reserve(len(req.tokens) + heads * req.budget)
-        missing = self._catch_up([row], self.runner.sync([row], [list(base.tokens)]))[0] + spine
-        n = len(missing)
-        tokens: list[list[int]] = [[] for _ in self.runner.rows]
-        logits_at: list[list[int]] = [[] for _ in self.runner.rows]
-        tokens[row], logits_at[row] = missing, list(range(n - 1 - s, n))
-        logits, _ = self._forward(tokens, [chain_parents(len(t)) for t in tokens], logits_at)  # [s + 1, V]
-        nodes = [_Node(base.tokens[-1], -1, 0, 0.0, column=n - 1 - s)]
-        cuts: list[tuple[float, int, int]] = []  # (confidence, node, token): an alternative under that node
-        for j, tok in enumerate(spine):
-            confidence = torch.log_softmax(self._scores(base, nodes, j, logits[j]).float(), -1)  # [V]
-            other = next(t for t in torch.topk(confidence, 2).indices.tolist() if t != tok)
-            if math.isfinite(float(confidence[other])):  # not a token the request's processors rule out
-                cuts.append((nodes[j].score + float(confidence[other]), j, other))
-            nodes.append(_Node(tok, j, j + 1, nodes[j].score + float(confidence[tok]), column=n - s + j))
+        nodes, logits = self._ahead_spine(req, base, row)
+        s = req.spine
         guesses = self.width + (0 if s else req.alternatives)
-        self._expand(base, nodes, s, logits[s], s + 1, width=guesses)  # the guesses of the bonus
-        for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
-            nodes.append(_Node(tok, j, j + 1, nodes[j].score))
-        leaves = list(range(s + 1, len(nodes)))
+        self._expand(base, nodes, s, logits, s + 1, width=guesses)  # the guesses of the bonus
+        leaves = list(range(s + 1, len(nodes)))  # the alternatives' heads and the guesses
         last = time.perf_counter() - began  # the first forward's seconds (catch-up and spine): the estimate
         for level in range(req.budget - 1):  # the first level always: a hit takes the drafts under the guess
             now = time.perf_counter()
-            if level and req.deadline_s is not None and now - began + last > req.deadline_s:
+            if level and req.deadline_s is not None and now - began + last / 2 > req.deadline_s:
                 break
-            logits, _ = self._forward_frontier([row], [nodes], [leaves])
+            logits_k, _ = self._forward_frontier([row], [nodes], [leaves])
             last = time.perf_counter() - now
             for k, leaf in enumerate(leaves):
-                self._expand(base, nodes, leaf, logits[k], nodes[leaf].depth + 1, width=1)
+                self._expand(base, nodes, leaf, logits_k[k], nodes[leaf].depth + 1, width=1)
             leaves = list(range(len(nodes) - len(leaves), len(nodes)))
         proposal = self._proposal(base, nodes)
         self._keep_likely_path([row], [nodes])
         return proposal
+
+    def _ahead_spine(self, req: DraftRequest, base: DraftRequest, row: int) -> tuple[list[_Node], torch.Tensor]:
+        """The pre-draft's first forward: the root, the spine's nodes and the alternatives' heads (`nodes`),
+        and the draft's logits at the spine's end ([V_draft]). Nodes already in the draft's cache have
+        column -1 (`_keep_likely_path` keeps what follows them)."""
+        s = req.spine
+        spine = list(req.tokens[len(req.tokens) - s :])
+        scored = bool(s and req.alternatives)  # every spine node's logits: where alternatives go
+        synced = base.tokens if scored else req.tokens  # unscored, the spine's cached KV stays
+        missing = self._catch_up([row], self.runner.sync([row], [list(synced)]))[0] + (spine if scored else [])
+        n = len(missing)
+        first = len(req.tokens) - n  # index in req.tokens of the first token forwarded
+        tokens: list[list[int]] = [[] for _ in self.runner.rows]
+        logits_at: list[list[int]] = [[] for _ in self.runner.rows]
+        tokens[row], logits_at[row] = missing, list(range(n - 1 - s, n)) if scored else [n - 1]
+        logits, _ = self._forward(tokens, [chain_parents(len(t)) for t in tokens], logits_at)  # [s + 1 or 1, V]
+        root = len(base.tokens) - 1
+        nodes = [_Node(base.tokens[-1], -1, 0, 0.0, column=max(root - first, -1))]
+        cuts: list[tuple[float, int, int]] = []  # (confidence, node, token): an alternative under that node
+        for j, tok in enumerate(spine):
+            score = nodes[j].score
+            if scored:
+                confidence = torch.log_softmax(self._scores(base, nodes, j, logits[j]).float(), -1)  # [V]
+                other = next(t for t in torch.topk(confidence, 2).indices.tolist() if t != tok)
+                if math.isfinite(float(confidence[other])):  # not a token the request's processors rule out
+                    cuts.append((score + float(confidence[other]), j, other))
+                score += float(confidence[tok])
+            nodes.append(_Node(tok, j, j + 1, score, column=max(root + 1 + j - first, -1)))
+        for _, j, tok in sorted(cuts, reverse=True)[: req.alternatives]:
+            nodes.append(_Node(tok, j, j + 1, nodes[j].score))
+        return nodes, logits[-1]
 
     def _catch_up(self, rows: list[int], missing: list[list[int]]) -> list[list[int]]:
         """Commit chunks of long catch-ups ahead of the drafting forwards; what each row still misses."""
@@ -283,14 +301,15 @@ class DraftModelDrafter:
         return Proposal(tree, q)
 
     def _keep_likely_path(self, rows: list[int], trees: list[list[_Node]]) -> None:
-        """Tentatively commit the catch-up tokens and the most likely forwarded path."""
+        """Tentatively commit the catch-up tokens and the most likely forwarded path (up from its deepest
+        node to the root, or to a node that was in the cache already: column -1)."""
         keep: list[list[int]] = [[] for _ in self.runner.rows]  # rows not drafted: nothing new
         for i, row in enumerate(rows):
             nodes = trees[i]
             forwarded = [k for k, n in enumerate(nodes) if n.column >= 0]
             best = max(forwarded, key=lambda k: (nodes[k].depth, nodes[k].score))
             path = []
-            while best > 0:
+            while best > 0 and nodes[best].column >= 0:
                 path.append(nodes[best].column)
                 best = nodes[best].parent
             keep[row] = list(range(nodes[0].column + 1)) + path[::-1]

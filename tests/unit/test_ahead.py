@@ -89,26 +89,33 @@ def test_a_pre_draft_with_no_spine_guesses_the_bonus_among_its_alternatives() ->
         assert taken is not None and list(taken.tree.tokens) == fresh_chain("qwen2", [*committed, token], 3)
 
 
-def test_the_drafter_keeps_the_guessed_path_for_the_next_round() -> None:
+@pytest.mark.parametrize("alternatives", [0, 1])
+def test_the_drafter_keeps_the_guessed_path_for_the_next_round(alternatives: int) -> None:
     """After a hit on the guess, the next pre-draft's catch-up is only the new tokens: the kept KV is the
-    guess chain's, and its drafts are still the fresh drafter's."""
+    guess chain's, and its drafts are still the fresh drafter's. With no alternatives (nothing scored along
+    the spine) the spine's kept KV serves too: the first forward is the spine's last token alone."""
     committed = prompt(2)
     d = drafter()
     (round_n,) = d.propose([DraftRequest("s", tuple(committed), 3, GREEDY)])
-    (pre,) = d.propose([ahead_request("s", tuple(committed), round_n.tree, 3, GREEDY, alternatives=1)])
+    (pre,) = d.propose([ahead_request("s", tuple(committed), round_n.tree, 3, GREEDY, alternatives=alternatives)])
     end = walk(pre.tree, round_n.tree.tokens)[-1]
     guess = pre.tree.tokens[pre.tree.children[end][0] - 1]
     verdict = (*round_n.tree.tokens, guess)
     taken = take_ahead(pre, verdict)
     assert taken is not None
     now = [*committed, *verdict]
-    (pre2,) = d.propose([ahead_request("s", tuple(now), taken.tree, 2, GREEDY, alternatives=1)])
+    widths: list[int] = []
+    forward = d.runner.forward
+    d.runner.forward = lambda tokens, *a, **k: widths.append(sum(map(len, tokens))) or forward(tokens, *a, **k)
+    (pre2,) = d.propose([ahead_request("s", tuple(now), taken.tree, 2, GREEDY, alternatives=alternatives)])
     end2 = walk(pre2.tree, taken.tree.tokens)[-1]
     guess2 = pre2.tree.tokens[pre2.tree.children[end2][0] - 1]
     assumed = [*now, *taken.tree.tokens]
     assert [guess2] == fresh_chain("qwen2", assumed, 1)
     taken2 = take_ahead(pre2, (*taken.tree.tokens, guess2))
     assert taken2 is not None and list(taken2.tree.tokens) == fresh_chain("qwen2", [*assumed, guess2], 2)
+    spine = len(taken.tree.tokens)
+    assert widths[0] == (1 if alternatives == 0 else 1 + spine), "the spine's end, plus the spine when scored"
 
 
 def test_take_ahead_follows_the_verdict_from_the_root() -> None:

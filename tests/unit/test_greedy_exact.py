@@ -142,23 +142,25 @@ def test_perfect_draft_accepts_everything():
     assert out.stats.accepted == 12
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("drafter", ["chain", "tree"])
-def test_int8_draft_stays_exact(models, drafter):
-    """A draft with int8 Linear weights (`quantize: int8`, the CPU default's draft) proposes tokens the
-    target accepts, and the output is still the target's own, batch of one and mixed."""
+def test_quantized_draft_stays_exact(models, drafter, quantize):
+    """A draft with int8 or int4 Linear weights (`draft_quantize: auto`, the CPU default, picks one) proposes
+    tokens the target accepts, and the output is still the target's own, batch of one and mixed."""
     target, _, refs = models
-    draft = quantized(copy.deepcopy(target), "int8")
-    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())  # every Linear is int8 now
+    draft = copy.deepcopy(target).to(torch.float32 if quantize == "int8" else torch.bfloat16)
+    draft = quantized(draft, quantize)
+    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())  # every Linear is quantized now
     for prompt, ref in zip(PROMPTS, refs, strict=True):
         (out,) = decoder(target, draft, drafter, max_depth=4, adaptive=False).generate([prompt], GREEDY)
         assert out.output == ref
     outs = decoder(target, draft, drafter, max_depth=4, adaptive=False).generate(PROMPTS, GREEDY)
     assert [o.output for o in outs] == refs
-    assert sum(o.stats.accepted for o in outs) > 0  # an int8 copy of the target mostly agrees with it
+    assert sum(o.stats.accepted for o in outs) > 0  # a quantized copy of the target mostly agrees with it
 
 
 def test_int8_needs_a_float32_cpu_model():
     with pytest.raises(ValueError, match="float32"):
         quantized(tiny_model("llama").to(torch.bfloat16), "int8")
     with pytest.raises(ValueError, match="quantize"):
-        quantized(tiny_model("llama"), "int4")
+        quantized(tiny_model("llama"), "int5")

@@ -1,0 +1,82 @@
+"""`draft_quantize: int4` (speculative/int4_linear.py): the 4-bit draft layers compute with the weights they hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative.int4_linear import GROUP, MAX_ROWS, Int4Linear, int4_quantized
+from speculative.loading import load_dtype, native_bf16, quantized, resolve_quantize
+from tests.tiny_models import tiny_model
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out, in] float32 on the layer's grid
+    """What the layer is meant to hold: per group of GROUP inputs, 16 levels from the group's min to its max."""
+    out, inp = weight.shape
+    groups = weight.float().reshape(out, inp // GROUP, GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    return (torch.round((groups - low) / scale).clamp(0, 15) * scale + low).reshape(out, inp)
+
+
+def linear(seed: int = 0, inp: int = 4 * GROUP, out: int = 48) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(inp, out, bias=True).to(torch.bfloat16).requires_grad_(False)
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_few_rows_compute_with_the_4bit_grid(rows: int) -> None:
+    """Up to MAX_ROWS rows (a draft step, a small tree) multiply by the 4-bit weights: the result is
+    x @ dequantized(W)^T + b up to bfloat16 rounding, and differs from the bfloat16 layer by the grid's error."""
+    layer = linear()
+    x = torch.randn(rows, layer.in_features).to(torch.bfloat16)  # [rows, in]
+    got = Int4Linear(layer)(x).float()  # [rows, out]
+    want = x.float() @ dequantized(layer.weight).T + layer.bias.float()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 0.01 * scale
+    assert (got - layer(x).float()).abs().max() > 0.01 * scale  # the 4-bit path ran, not the bfloat16 one
+
+
+def test_many_rows_run_on_the_bfloat16_weights() -> None:
+    """A prompt's catch-up (more than MAX_ROWS rows) runs the layer's own bfloat16 weights, bit for bit."""
+    layer = linear()
+    x = torch.randn(2, MAX_ROWS + 1, layer.in_features).to(torch.bfloat16)  # [2, rows, in]
+    assert torch.equal(Int4Linear(layer)(x), layer(x))
+
+
+def test_a_q4k_block_is_held_exactly() -> None:
+    """A Q4_K GGUF tensor (the default models' format) stores each 32-weight block as 16 levels above its
+    minimum: such weights come back from the layer as they were, up to bfloat16's rounding of the scale."""
+    torch.manual_seed(1)
+    out, inp = 16, 2 * GROUP
+    levels = torch.randint(0, 16, (out, inp // GROUP, GROUP))
+    levels[..., 0], levels[..., 1] = 0, 15  # every block spans the full grid, as Q4_K's min/scale fit does
+    scale, low = torch.rand(out, inp // GROUP, 1) / 50 + 0.01, torch.randn(out, inp // GROUP, 1) / 10
+    weight = (levels * scale + low).reshape(out, inp)
+    layer = torch.nn.Linear(inp, out, bias=False)
+    layer.weight.data = weight.to(torch.bfloat16)
+    eye = torch.eye(inp, dtype=torch.bfloat16)[:MAX_ROWS]  # rows of the identity read the weights' columns back
+    got = Int4Linear(layer)(eye).float().T  # [out, MAX_ROWS]
+    assert (got - weight[:, :MAX_ROWS]).abs().max() <= 0.02 * weight.abs().max()
+
+
+def test_a_model_is_quantized_where_groups_fit() -> None:
+    model = int4_quantized(tiny_model("llama").to(torch.bfloat16))
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, torch.nn.Linear))]
+    assert layers and all(isinstance(m, Int4Linear) for m in layers)  # hidden 64, MLP 128: whole groups
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 96)
+    with pytest.raises(ValueError, match=r"int4.*bfloat16"):
+        int4_quantized(tiny_model("llama"))  # float32: the kernel takes bfloat16 activations
+
+
+def test_auto_picks_the_kernel_the_machine_computes_fast() -> None:
+    """auto: int4 on a CPU with native bfloat16 (its activations), int8 on other CPUs, nothing on a GPU; the
+    weights load in the dtype the chosen kernels take."""
+    assert resolve_quantize("auto", "cpu") == ("int4" if native_bf16("cpu") else "int8")
+    assert resolve_quantize("auto", "cuda") == "none"
+    assert resolve_quantize("int8", "cpu") == "int8"
+    assert load_dtype("float32", "int4") == "bfloat16"
+    assert load_dtype("bfloat16", "int8") == "float32"
+    assert load_dtype("float32", "none") == "float32"
+    with pytest.raises(ValueError, match="quantize: expected"):
+        quantized(tiny_model("llama"), "int3")
