@@ -16,6 +16,7 @@ from speculative.drafters.medusa import DEFAULT_CHOICES
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantize = Literal["none", "int8", "int4", "auto"]
+CPU_QUANTIZE = ("int8", "int4")  # formats with CPU kernels only (auto resolves to none on a GPU)
 CpuLinear = Literal["torch", "onednn"]
 
 # A replica's KV budget (speculative/kv_budget.py): the router admits a sequence only when its prompt
@@ -83,7 +84,7 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _quantize_on_cpu(self) -> ModelConfig:
-        if self.quantize in ("int8", "int4") and self.device != "cpu":
+        if self.quantize in CPU_QUANTIZE and self.device != "cpu":
             raise ValueError(f"quantize: {self.quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu")
         if self.cpu_linear == "onednn" and self.device != "cpu":
             raise ValueError("cpu_linear: 'onednn' is for device: cpu")

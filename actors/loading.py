@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from actors.config import ModelConfig
 from speculative.cpu_linear import packed
 from speculative.grammar import GrammarCompiler
-from speculative.loading import DTYPES, load_dtype, quantized
+from speculative.loading import DTYPES, load_dtype, quantized, resolve_quantize
 
 Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (deploy.models.resolve)
 
@@ -24,10 +24,11 @@ def load_lm(config: ModelConfig, resolve: Resolver = identity) -> PreTrainedMode
         raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device here")
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    dtype = DTYPES[load_dtype(config.dtype, config.quantize, config.device)]  # int8 kernels take float32, int4 bf16
+    quantize = resolve_quantize(config.quantize, config.device)  # auto: by this machine, once
+    dtype = DTYPES[load_dtype(config.dtype, quantize, config.device)]  # int8 kernels take float32, int4 bfloat16
     model = AutoModelForCausalLM.from_pretrained(resolve(config.path), dtype=dtype, attn_implementation="sdpa")
     torch.nn.Module.to(model, torch.device(config.device))  # in place; transformers types .to oddly
-    return packed(quantized(model.eval(), config.quantize), config.cpu_linear)
+    return packed(quantized(model.eval(), quantize), config.cpu_linear)
 
 
 def vocab_size_of(path: str, resolve: Resolver = identity) -> int:

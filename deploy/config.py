@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from actors.config import (
+    CPU_QUANTIZE,
     CpuLinear,
     DraftWorkerConfig,
     Dtype,
@@ -280,7 +281,7 @@ class AppConfig(BaseModel):
     def _draft_model_when_needed(self) -> AppConfig:
         if self.drafter.kind == "model" and self.draft_model is None:
             raise ValueError("draft_model: drafter kind 'model' needs a draft model")
-        if self.draft_quantize in ("int8", "int4") and self.device != "cpu":
+        if self.draft_quantize in CPU_QUANTIZE and self.device != "cpu":
             raise ValueError(
                 f"draft_quantize: {self.draft_quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu"
             )

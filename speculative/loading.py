@@ -78,9 +78,9 @@ def resolve_quantize(mode: str, device: str = "cpu") -> str:
 
 
 def load_dtype(dtype: str, quantize: str, device: str = "cpu") -> str:
-    """The dtype the weights load in before `quantized`: its kernels' activations for int8 (float32) and
-    int4 (bfloat16), else `resolve_dtype`."""
-    return {"int8": "float32", "int4": "bfloat16"}.get(resolve_quantize(quantize, device), resolve_dtype(dtype, device))
+    """The dtype the weights load in before `quantized` (`quantize` as `resolve_quantize` gives it): its kernels'
+    activations for int8 (float32) and int4 (bfloat16), else `resolve_dtype`."""
+    return {"int8": "float32", "int4": "bfloat16"}.get(quantize, resolve_dtype(dtype, device))
 
 
 def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
