@@ -31,6 +31,15 @@ class DepthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_depth: int = Field(4, ge=0, le=64, description="Most draft tokens along any path.")
+    max_quote_depth: int = Field(
+        24,
+        ge=0,
+        le=64,
+        description="Most draft tokens of a quote: prompt lookup's draft where the text agrees with an earlier "
+        "passage for 8 or more tokens (copied code, a repeated list). A quote costs nothing to draft and lands "
+        "far more often than a draft model's guess, so it may run deeper than max_depth (the measured verify "
+        "cost still chooses how deep; verify_token_budget still bounds the batch).",
+    )
     adaptive: bool = Field(True, description="Depth follows each sequence's acceptance; False: always max_depth.")
     prior_acceptance: float = Field(0.7, gt=0.0, lt=1.0, description="Acceptance assumed before any evidence.")
     memory: float = Field(0.8, gt=0.0, lt=1.0, description="Weight a sequence's old evidence keeps at each step.")
@@ -138,8 +147,10 @@ def own_depth(acceptance: Acceptance, rounds_since_drafted: int, config: DepthCo
     return 1 if k == 0 and config.max_depth and rounds_since_drafted >= config.probe_every else k
 
 
-def depth_cap(config: DepthConfig, batch: int, queued: int) -> int:
+def depth_cap(config: DepthConfig, batch: int, queued: int, quote: bool = False) -> int:
     """Most draft tokens per sequence in a micro-batch of `batch` while `queued` verify calls wait at the
-    target: the token budget shared by the batch, halved for each queued call."""
-    cap = min(config.max_depth, max(config.verify_token_budget // max(batch, 1) - 1, 0))
+    target (of a `quote`: `max_quote_depth`): the token budget shared by the batch, halved for each queued
+    call."""
+    deepest = config.max_quote_depth if quote else config.max_depth
+    cap = min(deepest, max(config.verify_token_budget // max(batch, 1) - 1, 0))
     return cap >> queued if config.shrink_when_queued else cap

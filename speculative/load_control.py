@@ -1,8 +1,8 @@
 """Speculation depth by load: per-sequence draft depths that maximise a batch's committed tokens/s.
 
-`plan_depths` chooses d_i <= min(want_i, cap), want_i the sequence's room (its own depth,
-`depth.own_depth`, where the round is not priced or its tokens depend on depth), maximising the
-round's goodput
+`plan_depths` chooses d_i <= min(want_i, cap) (a quote's cap: `max_quote_depth`), want_i the
+sequence's room (its own depth, `depth.own_depth`, where the round is not priced or its tokens
+depend on depth), maximising the round's goodput
 
     goodput(d) = sum_i E(a_i, d_i) / cost(d)
 
@@ -184,6 +184,7 @@ def plan_depths(
     lookup_quotes: bool = False,
     extra_levels: int = 0,
     free_drafts: bool = False,
+    quote_cap: int | None = None,
 ) -> Plan:
     """The round's plan: each sequence's depth within its room and `cap`, priced by `costs` where
     `config.load_adaptive` (not sequences whose tokens depend on depth: sampled drafts).
@@ -194,6 +195,7 @@ def plan_depths(
     goes, so they still pay under load where the draft model does not; the draft model drafts the rest.
     `extra_levels`: draft forwards beyond the depth (a pre-draft drafts its guess of the bonus first).
     `free_drafts`: every draft costs nothing to make (Medusa heads' guesses, computed inside the verify).
+    `quote_cap`: the cap of a quote (a lookup draft from a run of QUOTE_RUN or more; `cap` where None).
     """
     priced = costs if config.load_adaptive else None
     # A step always adds one token, so a sequence drafts at most max_tokens - len(output) - 1.
@@ -201,9 +203,12 @@ def plan_depths(
     room = [max(min(s.params.max_tokens - len(s.output) - 1, _own_cap(s)), 0) for s in seqs]
     capped = [s.params.greedy or not drafts_sampled for s in seqs]
     wants = _own_wants(seqs, room, capped, config, priced is not None)
-    matches = _lookup_matches(seqs, room, wants, capped, cap, lookup, lookup_quotes)
-    wants = [found if n else min(w, found) for w, (n, found) in zip(wants, matches, strict=True)]
+    quote_cap = cap if quote_cap is None else quote_cap
+    matches = _lookup_matches(seqs, room, wants, capped, cap, quote_cap, lookup, lookup_quotes)
     runs = [n for n, _ in matches]
+    caps = [quote_cap if n >= QUOTE_RUN else cap for n in runs]
+    wants = [min(found if n else min(w, found), c) for w, (n, found), c in zip(wants, matches, caps, strict=True)]
+    cap = max(caps, default=cap)  # each want is within its own cap now
     free = [bool(n) or free_drafts for n in runs]  # lookup, heads: no draft forward, nothing to catch up on
     catch_ups = [0 if f else catch_up(s) for s, f in zip(seqs, free, strict=True)]  # lookup keeps no cache
     if priced is None:
@@ -247,17 +252,24 @@ def _lookup_matches(
     wants: list[int],
     capped: list[bool],
     cap: int,
+    quote_cap: int,
     lookup: PromptLookupDrafter | None,
     lookup_quotes: bool,
 ) -> list[tuple[int, int]]:
     """Per sequence (the match's run class, tokens the lookup would draft), or (0, want) for the draft
     model. Beside one (`lookup_quotes`), capped sequences past their prefill look for a quote as deep
-    as their room allows, and a match shorter than QUOTE_RUN is left to the draft model."""
+    as their room allows, and a match shorter than QUOTE_RUN is left to the draft model. A quote drafts
+    up to `quote_cap` tokens, any other match up to `cap`."""
     if lookup_quotes and lookup:
-        looked = [min(r, cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
+        looked = [min(r, quote_cap) if c and s.stats.steps else 0 for s, r, c in zip(seqs, room, capped, strict=True)]
         found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, looked, strict=True)]
         return [(n, f) if n >= QUOTE_RUN and f else (0, w) for (n, f), w in zip(found, wants, strict=True)]
-    return [lookup.match(s.tokens, min(w, cap)) if lookup and w else (0, w) for s, w in zip(seqs, wants, strict=True)]
+    if lookup is None:
+        return [(0, w) for w in wants]
+    # a drafting sequence looks as deep as a quote may go; a shorter match drafts within its want
+    deepest = [min(r, max(cap, quote_cap)) if w else 0 for r, w in zip(room, wants, strict=True)]
+    found = [lookup.match(s.tokens, n) if n else (0, 0) for s, n in zip(seqs, deepest, strict=True)]
+    return [(n, f if n >= QUOTE_RUN else min(f, w, cap)) for (n, f), w in zip(found, wants, strict=True)]
 
 
 def _charged_catch_ups(

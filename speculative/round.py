@@ -84,6 +84,7 @@ class Speculation:
             self.lookup_quotes,
             extra_levels,
             self.free_drafts,
+            depth_cap(self.config, batch, queued, quote=True),
         )
 
     def verify_seconds(self, seqs: Seq[Sequence], trees: Seq[TokenTree]) -> float | None:

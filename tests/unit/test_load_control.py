@@ -12,6 +12,7 @@ from speculative.depth import DepthConfig, own_depth
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.load_control import choose_depths as choose_planned
 from speculative.load_control import plan_depths, record_plan
+from speculative.round import Speculation
 from speculative.sampling import SamplingParams
 from speculative.sequence import Sequence
 from speculative.tree import TokenTree
@@ -498,3 +499,24 @@ def test_a_draft_hidden_behind_the_verify_goes_as_deep_as_it_pays() -> None:
     sampled = Sequence("t", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64))
     sampled.stats.steps, sampled.acceptance = 5, seq.acceptance
     assert plan_depths([sampled], config, c, 8, overlapped=True).depths == [4]  # its tokens depend on depth
+
+
+@pytest.mark.parametrize("beside_model", [False, True])
+def test_a_quote_drafts_deeper_than_max_depth(beside_model: bool) -> None:
+    """A quote (a lookup match of QUOTE_RUN or more agreeing tokens: copied code) costs nothing to draft and
+    lands far more often than a guess, so it may run to `max_quote_depth` while every other draft stays
+    within `max_depth`: where a verify is flat in its tokens (a GPU, or a CPU up to ~24) a code edit
+    commits up to 25 tokens a step instead of 9. Priced or not, prompt lookup alone or beside a model."""
+    config = DepthConfig(draft_cost=0.0, max_depth=4, max_quote_depth=12)
+    lookup = PromptLookupDrafter(max_ngram=3)
+    quoting = Sequence("q", [*range(100, 140), *range(100, 112)], GREEDY)  # quotes its start: 28 tokens follow
+    other = Sequence("o", [*range(200, 230), 205], GREEDY)  # "205" seen once: a chance match
+    for s in (quoting, other):
+        s.stats.steps, s.stats.drafted_at = 5, 4
+    flat = costs({2: 0.2, 16: 0.2, 32: 0.21}, {2: 0.0001})  # a verify flat in its tokens, drafting nearly free
+    for c in (None, flat):
+        speculation = Speculation(config, c, lookup=lookup, lookup_quotes=beside_model)
+        plan = speculation.depths([quoting, other], 2)
+        assert plan.depths[0] == 12 and plan.runs[0] == 8
+        assert 0 < plan.depths[1] <= 4  # lookup's chance match, or the model's draft: max_depth
+        assert speculation.depths([quoting, other], 16).depths[0] == 64 // 16 - 1  # the batch's budget binds
