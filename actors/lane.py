@@ -258,7 +258,7 @@ class Lane:
         if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token
             verdicts = {x.seq.seq_id: v.tokens for x, v in zip(lives, verified.verdicts, strict=True)}
             group = self.groups[g]
-            half.ahead = await self.ahead.settle(pre, group, verified.work.seconds, verdicts)
+            half.ahead = await self.ahead.settle(pre, group, verified.work.seconds, verdicts, self.target_waiting)
             if half.ahead is not None:
                 self.drafted[g] = bool(group) and all(x.proposal is not None for x in group.values())
         return half

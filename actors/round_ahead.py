@@ -9,8 +9,8 @@ up on the prompt and pre-drafts the third round beside that verify, under its gu
 verify's token (the draft's likeliest next tokens); a prompt over `router.ahead_prefill_tokens`,
 and a sequence beside others, is left to the depth controller, which prices its catch-up (with
 ping-pong, in the draft half beside the other group's verify). When the verdict matches, the next
-verify starts at once with that draft; when not, the sequence is drafted again at the next round's
-start.
+verify starts at once with that draft (or with prompt lookup's quote of the context, where the
+quote runs deeper); when not, the sequence is drafted again at the next round's start.
 The round waits for a pre-draft at most as long as its verify took (a catch-up: until it answers,
 within its call's deadline); a later one is dropped, and the pool is not called again until it has
 answered.
@@ -27,6 +27,8 @@ from actors.metrics import RouterMetrics
 from actors.records import Live, bare_proposal
 from actors.wire import Drafted, WireProposal, Work
 from speculative.ahead import ahead_request, assumed_path, take_ahead
+from speculative.drafters.base import Proposal
+from speculative.load_control import QUOTE_RUN
 from speculative.round import Speculation
 
 
@@ -145,15 +147,30 @@ class RoundAhead:
         task, released = self.calls.send(g, cache_key, requests, work)
         return PreDraft(g, task, [x for x, _ in picked], paths, released, [d for _, d in picked], catching_up)
 
+    def _quoted_deeper(self, live: Live, taken: Proposal, target_waiting: int) -> bool:
+        """Whether the next round would rather verify prompt lookup's quote of the context than this hit: the
+        quote (free, and landing far more often than a guess) runs deeper than the pre-draft's proposal,
+        as at the start of a passage the output copies, which the pre-draft's plan could not yet see."""
+        if self.speculation.lookup is None:
+            return False
+        plan = self.speculation.depths([live.seq], 1, target_waiting, overlapped=True)
+        return plan.runs[0] >= QUOTE_RUN and plan.depths[0] > max(taken.tree.depths)
+
     def drop(self, pre: PreDraft) -> None:
         """Leave a pre-draft to finish unused; the pool is not called until it has answered."""
         self.calls.leave_running(pre.task)
 
     async def settle(
-        self, pre: PreDraft, group: dict[str, Live], verify_s: float, committed: dict[str, tuple[int, ...]]
+        self,
+        pre: PreDraft,
+        group: dict[str, Live],
+        verify_s: float,
+        committed: dict[str, tuple[int, ...]],
+        target_waiting: int = 0,
     ) -> Settled | None:
         """Take the pre-drafts that the verdicts (`committed`: each sequence's verdict tokens) matched, as
-        the proposals of `group`'s (the pre-draft's group) next round; None: nothing came in time.
+        the proposals of `group`'s (the pre-draft's group) next round; None: nothing came in time. A hit
+        yields to prompt lookup's quote of the context where the quote runs deeper (`_quoted_deeper`).
 
         Waits at most `verify_s` (the verify's own duration) for the pre-draft; a later one is left to
         finish, its drafts dropped (the pool is not called again until it answers). One catching up on a
@@ -184,7 +201,10 @@ class RoundAhead:
             # the spine's nodes are round N's own drafts, verified there
             unverified += wire.tree.size - len(path) - (taken.tree.size if taken is not None else 0)
             if taken is not None:
-                live.proposal, hits = WireProposal.encode(taken), hits + 1
-                cut_hits += len(verdict or ()) <= len(path)
+                hits, cut_hits = hits + 1, cut_hits + (len(verdict or ()) <= len(path))
+                if self._quoted_deeper(live, taken, target_waiting):
+                    unverified += taken.tree.size  # the round plans the quote in its place
+                else:
+                    live.proposal = WireProposal.encode(taken)
         self.metrics.ahead(pre.drafting, hits, "settled", unverified)
         return Settled(drafted.work, pre.drafting, hits, unverified, cut_hits)

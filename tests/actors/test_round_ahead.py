@@ -8,8 +8,21 @@ from __future__ import annotations
 
 import asyncio
 
+from actors.config import RouterConfig
+from actors.draft_calls import DraftCalls
+from actors.metrics import RouterMetrics
+from actors.records import Live
+from actors.round_ahead import PreDraft, RoundAhead, Settled
 from actors.router import Router
+from actors.wire import Drafted, WireProposal, Work
+from speculative.depth import DepthConfig
+from speculative.drafters.base import Proposal
 from speculative.drafters.config import DrafterConfig
+from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.round import Speculation
+from speculative.sampling import SamplingParams
+from speculative.sequence import Sequence
+from speculative.tree import TokenTree
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
 from tests.actors.test_router_local import make_router, run_all
 
@@ -168,3 +181,39 @@ def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_round_ahead(tiny
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 12)
         second = list(router._records)[1]
         assert (second.ahead is not None and second.draft is None) is caught_up, limit
+
+
+def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:
+    """A pre-draft is planned before its verdict, so it cannot see that the output has just started copying
+    a passage of its context. When the verdict makes the text a quote (prompt lookup's run of 8 or more)
+    deeper than the pre-draft's proposal, the next round verifies the quote (free, and it lands far more
+    often); the hit's drafts count as never verified. Without a quote the hit is the next proposal."""
+    speculation = Speculation(
+        DepthConfig(max_depth=4, max_quote_depth=12), None, lookup=PromptLookupDrafter(max_ngram=3), lookup_quotes=True
+    )
+    config = RouterConfig()
+    ahead = RoundAhead(DraftCalls(None, "lane", 1, config), config, RouterMetrics(), speculation)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    # round N verified 7 -> [8, 9]; its pre-draft assumed both and guessed the bonus 10, then drafted 11, 12
+    pre_tree = TokenTree(7, (8, 9, 10, 11, 12), (0, 1, 2, 3, 4))
+    verdict = (8, 9, 10)  # both accepted, bonus 10: a hit, round N+1's proposal 10 -> [11, 12]
+
+    async def settle(tokens: list[int]) -> tuple[Live, Settled | None]:
+        live = Live(Sequence("s", tokens, greedy))  # committed through the verdict
+        live.seq.stats.steps = 5
+        task = asyncio.get_running_loop().create_future()
+        task.set_result(Drafted([WireProposal.encode(Proposal(pre_tree))], Work(0.0, 0.1), "d"))
+        pre = PreDraft(0, task, [live], [[8, 9]], [], [2])  # type: ignore[arg-type]
+        return live, await ahead.settle(pre, {"s": live}, 1.0, {"s": verdict})
+
+    passage = [*range(50, 60), 7, 8, 9, 10, *range(60, 80)]
+    quoting = [*range(100, 120), *passage, *range(50, 60), 7, 8, 9, 10]  # now copying it: 20 tokens follow
+    live, settled = asyncio.run(settle(quoting))
+    assert settled is not None and settled.hits == 1
+    assert live.proposal is None, "the round plans the quote instead"
+    assert speculation.depths([live.seq], 1).depths[0] == 12
+    assert settled.unverified == 1 + 2  # the guess (verified as the bonus, not as a draft), then 11 and 12
+    fresh = [*range(100, 120), *range(50, 60), 7, 8, 9, 10]  # nothing to quote
+    live, settled = asyncio.run(settle(fresh))
+    assert settled is not None and settled.hits == 1 and settled.unverified == 1
+    assert live.proposal is not None and live.proposal.tree.tokens == (11, 12)
