@@ -4,11 +4,13 @@ One process, the Qwen2.5-Coder pair of `deploy/local.yaml`, one torch thread (wh
 For each format the draft is loaded as a replica loads it (`actors.loading.load_lm`, `cpu_linear: onednn`):
 - none: the draft in `dtype: auto` (bfloat16 where the CPU computes it natively, else float32);
 - int8: torch's dynamic int8 Linear on a float32 model;
-- int4: 4-bit weight groups for forwards of a few tokens, bfloat16 beyond (`speculative/int4_linear.py`),
+- int4: 4-bit weight groups for forwards of a few tokens, bfloat16 beyond (`speculative/int4_linear.py`), once
+  with each kernel: `vnni` (int8 activations, AVX-512 VNNI, one thread; what a replica picks where it runs) and
+  `aten` (torch's weight-only kernel, bfloat16 activations),
 and timed on a forward of q = 1, 2, 5 chained tokens over a 96-token cache (a draft level, a small tree, a
 catch-up after a verdict) and on a 64-token prefill (a prompt's catch-up). Agreement: over the target's own
 greedy continuation of each prompt (64 tokens), the share of positions where the draft's top-1 token is the
-target's (teacher-forced: one forward over prompt and continuation), which bounds a chain's acceptance.
+target's (teacher-forced, one token per forward as a draft step runs), which bounds a chain's acceptance.
 
     python -m bench.draft_quantize               # ~3 minutes on 2 CPU cores
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 
 from actors.config import ModelConfig, Quantize
 from actors.loading import load_lm
@@ -28,11 +30,18 @@ from bench import figures, report
 from bench.cpu_linear import seconds
 from bench.single_stream import PROMPTS
 from deploy.models import resolve
+from speculative import int4_vnni
+from speculative.int4_linear import Kernel, int4_quantized
 from speculative.loading import chat_ids, resolve_dtype, resolve_quantize
 from speculative.runner import ModelRunner, chain_parents
 
 NAME = "draft_quantize"
-FORMATS: tuple[Quantize, ...] = ("none", "int8", "int4")
+FORMATS: tuple[tuple[Quantize, Kernel | None], ...] = (
+    ("none", None),
+    ("int8", None),
+    ("int4", "vnni"),
+    ("int4", "aten"),
+)
 AGREEMENT_PROMPTS = ("code", "code-edit", "list", "prose")
 
 
@@ -59,9 +68,23 @@ def prefill_ms(model: PreTrainedModel, tokens: int, reps: int) -> float:
 
 @torch.inference_mode()
 def top1(model: PreTrainedModel, ids: list[int], start: int) -> list[int]:
-    """The model's most likely next token after each of ids[start - 1:-1] (one forward)."""
-    logits = model(torch.tensor([ids])).logits[0, start - 1 : -1]  # [n, V]
-    return logits.float().argmax(-1).tolist()
+    """The model's most likely next token after each of ids[start - 1:-1]: the prompt prefilled, then one
+    token per forward (a draft step's shape, so 4-bit layers compute with their 4-bit weights)."""
+    cache = DynamicCache()
+    model(torch.tensor([ids[: start - 1]]), past_key_values=cache, use_cache=True)
+    guesses = []
+    for token in ids[start - 1 : -1]:
+        logits = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]  # [V]
+        guesses.append(int(logits.float().argmax()))
+    return guesses
+
+
+def load_draft(path: str, fmt: Quantize, kernel: Kernel | None, threads: int) -> PreTrainedModel:
+    """The draft as a replica loads it; an int4 one with the given kernel."""
+    if kernel is None:
+        return load_lm(ModelConfig(path=path, quantize=fmt, cpu_linear="onednn", torch_threads=threads))
+    bf16 = load_lm(ModelConfig(path=path, dtype="bfloat16", cpu_linear="onednn", torch_threads=threads))
+    return int4_quantized(bf16, kernel)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -76,9 +99,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         paths[name] = (out[0].tolist(), len(prompt))
     del target
     rows = []
-    for fmt in FORMATS:
-        model = load_lm(ModelConfig(path=draft_path, quantize=fmt, cpu_linear="onednn", torch_threads=args.threads))
-        row: dict[str, Any] = {"format": fmt, "resolved": resolve_quantize(fmt), "dtype": str(model.dtype)}
+    for fmt, kernel in FORMATS:
+        if kernel == "vnni" and (args.threads != 1 or int4_vnni.library() is None):
+            continue  # the kernel runs with one torch thread on AVX-512 VNNI CPUs
+        model = load_draft(draft_path, fmt, kernel, args.threads)
+        label = f"{fmt} ({kernel})" if kernel else fmt
+        row: dict[str, Any] = {"format": label, "resolved": resolve_quantize(fmt), "dtype": str(model.dtype)}
         runner = ModelRunner(model)
         runner.add_rows(["s"])
         runner.extend([list(range(1000, 1000 + args.cache))])

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
-from speculative.int4_linear import GROUP, MAX_ROWS, Int4Linear, int4_quantized
+from speculative import int4_vnni
+from speculative.int4_linear import GROUP, MAX_ROWS, Int4Linear, Kernel, int4_quantized
 from speculative.loading import load_dtype, native_bf16, quantized, resolve_quantize
 from tests.tiny_models import tiny_model
 
@@ -24,27 +29,72 @@ def linear(seed: int = 0, inp: int = 4 * GROUP, out: int = 48) -> torch.nn.Linea
     return torch.nn.Linear(inp, out, bias=True).to(torch.bfloat16).requires_grad_(False)
 
 
+VNNI = pytest.mark.skipif(int4_vnni.library() is None, reason="no AVX-512 VNNI CPU or no C compiler here")
+KERNELS = [pytest.param("vnni", marks=VNNI), "aten"]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """A draft worker's torch threads (`torch_threads: 1`), where `Int4Linear` may pick the VNNI kernel."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
-def test_few_rows_compute_with_the_4bit_grid(rows: int) -> None:
+@pytest.mark.parametrize("out", [48, 40])
+def test_few_rows_compute_with_the_4bit_grid(rows: int, kernel: Kernel, out: int, one_thread: None) -> None:
     """Up to MAX_ROWS rows (a draft step, a small tree) multiply by the 4-bit weights: the result is
-    x @ dequantized(W)^T + b up to bfloat16 rounding, and differs from the bfloat16 layer by the grid's error."""
-    layer = linear()
+    x @ dequantized(W)^T + b up to bfloat16 rounding (and the VNNI kernel's int8 activations), and differs
+    from the bfloat16 layer by the grid's error. The VNNI kernel also takes outputs that are no whole tile."""
+    if kernel == "aten" and out % 16:
+        pytest.skip("torch's int4 layout takes outputs in multiples of 16")
+    layer = linear(out=out)
     x = torch.randn(rows, layer.in_features).to(torch.bfloat16)  # [rows, in]
-    got = Int4Linear(layer)(x).float()  # [rows, out]
+    got = Int4Linear(layer, kernel)(x).float()  # [rows, out]
     want = x.float() @ dequantized(layer.weight).T + layer.bias.float()
     scale = want.abs().max()
     assert (got - want).abs().max() <= 0.01 * scale
     assert (got - layer(x).float()).abs().max() > 0.01 * scale  # the 4-bit path ran, not the bfloat16 one
 
 
-def test_many_rows_run_on_the_bfloat16_weights() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_many_rows_run_on_the_bfloat16_weights(kernel: Kernel, one_thread: None) -> None:
     """A prompt's catch-up (more than MAX_ROWS rows) runs the layer's own bfloat16 weights, bit for bit."""
     layer = linear()
     x = torch.randn(2, MAX_ROWS + 1, layer.in_features).to(torch.bfloat16)  # [2, rows, in]
-    assert torch.equal(Int4Linear(layer)(x), layer(x))
+    assert torch.equal(Int4Linear(layer, kernel)(x), layer(x))
 
 
-def test_a_q4k_block_is_held_exactly() -> None:
+def test_the_kernel_builds_once_per_source_and_a_missing_compiler_is_no_error(tmp_path: Path) -> None:
+    """The C source compiles into the kernels folder under its hash, once; where no compiler runs the build
+    says so and yields None (the layers then use torch's kernel), nothing raises."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    built = int4_vnni.build(tmp_path, shutil.which("cc") or shutil.which("gcc"))
+    assert built is not None and built.exists() and built.parent == tmp_path
+    assert int4_vnni.build(tmp_path, None) == built  # already built: no compiler needed
+    with pytest.warns(UserWarning, match="did not build"):
+        assert int4_vnni.build(tmp_path / "other", str(tmp_path / "no-such-cc")) is None
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert int4_vnni.build(tmp_path / "other", None) is None
+
+
+@VNNI
+def test_the_vnni_kernel_serves_one_thread_and_torch_more(one_thread: None) -> None:
+    """A draft worker (one torch thread) gets the VNNI kernel, one core streaming the weights; a process with
+    more threads keeps torch's kernel, which splits a call across them."""
+    assert Int4Linear(linear()).vnni is not None
+    torch.set_num_threads(2)
+    assert Int4Linear(linear()).vnni is None
+    with pytest.raises(ValueError, match="vnni"):
+        Int4Linear(linear(), "vnni")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_q4k_block_is_held_exactly(kernel: Kernel, one_thread: None) -> None:
     """A Q4_K GGUF tensor (the default models' format) stores each 32-weight block as 16 levels above its
     minimum: such weights come back from the layer as they were, up to bfloat16's rounding of the scale."""
     torch.manual_seed(1)
@@ -56,7 +106,7 @@ def test_a_q4k_block_is_held_exactly() -> None:
     layer = torch.nn.Linear(inp, out, bias=False)
     layer.weight.data = weight.to(torch.bfloat16)
     eye = torch.eye(inp, dtype=torch.bfloat16)[:MAX_ROWS]  # rows of the identity read the weights' columns back
-    got = Int4Linear(layer)(eye).float().T  # [out, MAX_ROWS]
+    got = Int4Linear(layer, kernel)(eye).float().T  # [out, MAX_ROWS]
     assert (got - weight[:, :MAX_ROWS]).abs().max() <= 0.02 * weight.abs().max()
 
 
