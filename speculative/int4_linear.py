@@ -42,12 +42,12 @@ class Int4Linear(torch.nn.Module):
         weight = linear.weight.detach()  # [out, in] bfloat16
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach()  # [out]
-        lib = int4_vnni.library() if kernel in (None, "vnni") and torch.get_num_threads() == 1 else None
-        if kernel == "vnni" and lib is None:
+        runs = torch.get_num_threads() == 1 and int4_vnni.library() is not None
+        if kernel == "vnni" and not runs:
             raise ValueError("int4 kernel 'vnni' asked for, but it cannot run here (CPU, compiler or threads)")
-        self.vnni = lib
+        self.vnni = runs and kernel in (None, "vnni")  # (a flag, not the library: the layer pickles and copies)
         levels, scale, low = _grid(weight)
-        if lib is not None:
+        if self.vnni:
             packed, scales_zeros = int4_vnni.pack(levels, scale, low), torch.empty(0)
         else:  # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale; [G, out, 2]
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)  # [out, in / 2] uint8
@@ -62,8 +62,8 @@ class Int4Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)  # [M, in]
         if rows.shape[0] > MAX_ROWS:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.vnni is not None:
-            y = int4_vnni.matmul(self.vnni, self.packed, self.out_features, rows)  # [M, out]
+        if self.vnni:
+            y = int4_vnni.matmul(self.packed, self.out_features, rows)  # [M, out]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
         if self.bias is not None:
@@ -71,7 +71,7 @@ class Int4Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "vnni" if self.vnni is not None else "aten"
+        kernel = "vnni" if self.vnni else "aten"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kernel=}"
         )

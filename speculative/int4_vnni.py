@@ -100,8 +100,11 @@ def pack(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.
     return torch.cat([nibbles.reshape(tiles, groups, 256), per_tile(scale), per_tile(low)], dim=-1).contiguous()
 
 
-def matmul(lib: ctypes.CDLL, packed: torch.Tensor, out: int, rows: torch.Tensor) -> torch.Tensor:
+def matmul(packed: torch.Tensor, out: int, rows: torch.Tensor) -> torch.Tensor:
     """rows [M, in] bfloat16 (1 <= M <= MAX_ROWS) -> [M, out] bfloat16 through weights `pack` laid out."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the int4 VNNI kernel cannot run on this machine")
     rows = rows.contiguous()
     y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)  # [M, out]
     if lib.int4_vnni_mm(packed.data_ptr(), out, rows.shape[1], rows.data_ptr(), rows.shape[0], y.data_ptr()):

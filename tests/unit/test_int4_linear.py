@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +70,16 @@ def test_many_rows_run_on_the_bfloat16_weights(kernel: Kernel, one_thread: None)
     assert torch.equal(Int4Linear(layer, kernel)(x), layer(x))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_layer_copies_and_pickles(kernel: Kernel, one_thread: None) -> None:
+    """A quantized draft can be deep-copied and pickled (it holds tensors and a flag, not the loaded library),
+    and the copy computes what the original does."""
+    layer = Int4Linear(linear(), kernel)
+    x = torch.randn(2, layer.in_features).to(torch.bfloat16)  # [2, in]
+    assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+    assert torch.equal(pickle.loads(pickle.dumps(layer))(x), layer(x))
+
+
 def test_the_kernel_builds_once_per_source_and_a_missing_compiler_is_no_error(tmp_path: Path) -> None:
     """The C source compiles into the kernels folder under its hash, once; where no compiler runs the build
     says so and yields None (the layers then use torch's kernel), nothing raises."""
@@ -86,9 +98,10 @@ def test_the_kernel_builds_once_per_source_and_a_missing_compiler_is_no_error(tm
 def test_the_vnni_kernel_serves_one_thread_and_torch_more(one_thread: None) -> None:
     """A draft worker (one torch thread) gets the VNNI kernel, one core streaming the weights; a process with
     more threads keeps torch's kernel, which splits a call across them."""
-    assert Int4Linear(linear()).vnni is not None
+    assert Int4Linear(linear()).vnni
+    assert not Int4Linear(linear(), "aten").vnni
     torch.set_num_threads(2)
-    assert Int4Linear(linear()).vnni is None
+    assert not Int4Linear(linear()).vnni
     with pytest.raises(ValueError, match="vnni"):
         Int4Linear(linear(), "vnni")
 
