@@ -105,6 +105,8 @@ def matmul(packed: torch.Tensor, out: int, rows: torch.Tensor) -> torch.Tensor:
     lib = library()
     if lib is None:
         raise RuntimeError("the int4 VNNI kernel cannot run on this machine")
+    if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
+        raise ValueError(f"the int4 VNNI kernel takes bfloat16 rows on the CPU, not {rows.dtype} on {rows.device}")
     rows = rows.contiguous()
     y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)  # [M, out]
     if lib.int4_vnni_mm(packed.data_ptr(), out, rows.shape[1], rows.data_ptr(), rows.shape[0], y.data_ptr()):

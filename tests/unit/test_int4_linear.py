@@ -106,6 +106,14 @@ def test_the_vnni_kernel_serves_one_thread_and_torch_more(one_thread: None) -> N
         Int4Linear(linear(), "vnni")
 
 
+@VNNI
+def test_the_vnni_kernel_refuses_rows_it_would_misread(one_thread: None) -> None:
+    """float32 rows (a model not in bfloat16) would be read as bfloat16 bytes: refused, as torch's kernel does."""
+    layer = Int4Linear(linear(), "vnni")
+    with pytest.raises(ValueError, match="bfloat16"):
+        layer(torch.randn(1, layer.in_features))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_q4k_block_is_held_exactly(kernel: Kernel, one_thread: None) -> None:
     """A Q4_K GGUF tensor (the default models' format) stores each 32-weight block as 16 levels above its
