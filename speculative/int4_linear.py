@@ -23,7 +23,7 @@ import torch
 
 from speculative import int4_vnni
 
-GROUP = 32  # inputs per scale and minimum (Q4_K's block; both kernels take 32)
+GROUP = int4_vnni.GROUP  # inputs per scale and minimum (Q4_K's block; both kernels take 32)
 MAX_ROWS = 8  # most rows a forward runs on the int4 weights; more run on the bfloat16 ones
 LEVELS = 15  # 4 bits: quantized values 0..15
 Kernel = Literal["vnni", "aten"]
@@ -42,10 +42,10 @@ class Int4Linear(torch.nn.Module):
         weight = linear.weight.detach()  # [out, in] bfloat16
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach()  # [out]
-        runs = torch.get_num_threads() == 1 and int4_vnni.library() is not None
-        if kernel == "vnni" and not runs:
+        # a flag, not the library, so the layer pickles and copies; "aten" neither builds nor probes the kernel
+        self.vnni = kernel != "aten" and torch.get_num_threads() == 1 and int4_vnni.library() is not None
+        if kernel == "vnni" and not self.vnni:
             raise ValueError("int4 kernel 'vnni' asked for, but it cannot run here (CPU, compiler or threads)")
-        self.vnni = runs and kernel in (None, "vnni")  # (a flag, not the library: the layer pickles and copies)
         levels, scale, low = _grid(weight)
         if self.vnni:
             packed, scales_zeros = int4_vnni.pack(levels, scale, low), torch.empty(0)
