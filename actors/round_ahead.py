@@ -109,8 +109,11 @@ class RoundAhead:
         depth = plan.depths[0]
         path = len(assumed_path(tree)) if tree is not None else 0
         own = seq.params.max_draft_tokens if seq.params.max_draft_tokens is not None else depth
-        # After a hit this round commits path + bonus; the next then adds at least one token.
-        depth = min(depth, own, seq.params.max_tokens - len(seq.output) - path - 2)
+        # A hit of the guess follows a round that commits path + bonus, and the next round adds at least one
+        # token; with alternatives, a hit may follow a cut as early as the first draft (one token committed),
+        # which leaves the next round room for more (near max_tokens, the round that would be redrafted).
+        cut = 0 if self.config.ahead_alternatives else path
+        depth = min(depth, own, seq.params.max_tokens - len(seq.output) - cut - 2)
         return depth if depth > 0 else catch_up
 
     def start(self, g: int, cache_key: str, lives: list[Live], target_waiting: int) -> PreDraft | None:

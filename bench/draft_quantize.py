@@ -1,7 +1,8 @@
 """The draft model's weight formats (`draft_quantize`) side by side: what a draft step costs and how often it agrees.
 
 One process, the Qwen2.5-Coder pair of `deploy/local.yaml`, one torch thread (what a draft replica gets there).
-For each format the draft is loaded as a replica loads it (`actors.loading.load_lm`, `cpu_linear: onednn`):
+For each format the draft is loaded and run as a replica does (`actors.loading.load_lm`, `cpu_linear: onednn`,
+the runner's lean stack, `speculative/lean_stack.py`):
 - none: the draft in `dtype: auto` (bfloat16 where the CPU computes it natively, else float32);
 - int8: torch's dynamic int8 Linear on a float32 model;
 - int4: 4-bit weight groups for forwards of a few tokens, bfloat16 beyond (`speculative/int4_linear.py`), once
@@ -56,7 +57,7 @@ def step_ms(runner: ModelRunner, q: int, reps: int) -> float:
 
 
 def prefill_ms(model: PreTrainedModel, tokens: int, reps: int) -> float:
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, lean=True)  # as a draft replica runs it (`build_drafter`)
 
     def prefill() -> None:
         runner.add_rows(["p"])
@@ -105,7 +106,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         model = load_draft(draft_path, fmt, kernel, args.threads)
         label = f"{fmt} ({kernel})" if kernel else fmt
         row: dict[str, Any] = {"format": label, "resolved": resolve_quantize(fmt), "dtype": str(model.dtype)}
-        runner = ModelRunner(model)
+        runner = ModelRunner(model, lean=True)  # as a draft replica runs it (`build_drafter`)
         runner.add_rows(["s"])
         runner.extend([list(range(1000, 1000 + args.cache))])
         with torch.inference_mode():

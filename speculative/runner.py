@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from speculative.kv_cache import SlotCache, Write, bucketed
+from speculative.lean_stack import lean_stack
 from speculative.packing import ATTENTION, Packing, row_offsets
 
 
@@ -44,13 +45,16 @@ class _Speculative:
 class ModelRunner:
     """Batched prefill, decode and tree verification with commit/rollback, for any HF causal LM."""
 
-    def __init__(self, model: PreTrainedModel, reserve: tuple[int, int] | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, reserve: tuple[int, int] | None = None, lean: bool = False) -> None:
         """Sets the model's attention to `packing.ATTENTION` (SDPA, packed-aware; other callers of the
         model, e.g. `generate`, get plain SDPA through it). `reserve`: (rows, columns) the KV cache is
-        made with at the first forward (`kv_cache.preallocated`); None: it grows as needed."""
+        made with at the first forward (`kv_cache.preallocated`); None: it grows as needed. `lean`: run
+        the stack as `lean_stack` does where it knows the architecture (the same hidden states, fewer calls:
+        a draft model's forwards of a few tokens)."""
         model.set_attn_implementation(ATTENTION)
         self.model = model.eval()
         self._base = model.base_model  # the transformer stack, without the LM head
+        self._lean = lean_stack(self._base) if lean else None
         self._head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # model inputs go here; bookkeeping stays on CPU
@@ -193,6 +197,8 @@ class ModelRunner:
         pack = Packing.of(lengths, mask, dev)
         self.cache.write = write
         try:
+            if self._lean is not None:
+                return self._lean(tokens.to(dev), positions.to(dev), pack.mask, self.cache)
             out = self._base(
                 input_ids=tokens[None].to(dev),
                 position_ids=positions[None].to(dev),

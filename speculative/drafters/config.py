@@ -117,7 +117,7 @@ def build_drafter(
     if draft_model is None:
         raise ValueError(f"drafter kind {config.kind!r} needs a draft model")
     model = DraftModelDrafter(
-        ModelRunner(draft_model, reserve),
+        ModelRunner(draft_model, reserve, lean=True),  # a draft's forwards are a few tokens: fewer calls
         target_vocab,
         tree_width=config.tree_width,
         tree_nodes=config.tree_nodes,

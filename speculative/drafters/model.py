@@ -214,9 +214,14 @@ class DraftModelDrafter:
         """Add the children of node `idx` (`width` of them; 0: the drafter's); logits: [V_draft] next-token
         logits at that node."""
         scores = self._scores(req, nodes, idx, logits)  # [V]
+        width = width or self.width
+        if req.params.greedy:  # q is one-hot at the argmax: the top child has probability 1, the others 0
+            for k, tok in enumerate(torch.topk(scores, width).indices.tolist()):
+                nodes.append(_Node(tok, idx, depth, nodes[idx].score + (0.0 if k == 0 else -1e9)))
+            return
         q = probs_from_logits(scores[None], req.params)[0]  # [V]
         nodes[idx].probs = q
-        for tok in self._children(req, q, scores, depth, idx, width or self.width):
+        for tok in self._children(req, q, scores, depth, idx, width):
             prob = float(q[tok])
             score = nodes[idx].score + (math.log(prob) if prob > 0 else -1e9)
             nodes.append(_Node(tok, idx, depth, score))

@@ -217,3 +217,24 @@ def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:
     live, settled = asyncio.run(settle(fresh))
     assert settled is not None and settled.hits == 1 and settled.unverified == 1
     assert live.proposal is not None and live.proposal.tree.tokens == (11, 12)
+
+
+def test_near_max_tokens_alternatives_still_pre_draft() -> None:
+    """Seven tokens from max_tokens, a round verifying five drafts commits six if all are accepted, and the
+    round after it needs only its bonus: a pre-draft of the guess's branch is no use. But a verdict that cuts
+    at the first draft commits one token, and an alternative's branch there can carry the next round: with
+    alternatives the round still pre-drafts (as deep as the shortest cut leaves room for), without it does not."""
+    speculation = Speculation(DepthConfig(max_depth=8, load_adaptive=False), None)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    live = Live(Sequence("s", list(range(30, 40)), greedy))
+    live.seq.output.extend(range(40, 53))  # 13 of 20: 7 to go
+    live.seq.stats.steps = 5
+    live.proposal = WireProposal.encode(Proposal(TokenTree(52, (60, 61, 62, 63, 64), (0, 1, 2, 3, 4))))
+
+    def depth(alternatives: int) -> int | None:
+        config = RouterConfig(ahead_alternatives=alternatives)
+        return RoundAhead(DraftCalls(None, "lane", 1, config), config, RouterMetrics(), speculation).depth(live, 1, 0)
+
+    assert depth(0) is None
+    planned = depth(2)  # at most 7 to go, less the cut's one token and the round after's one
+    assert planned is not None and 1 <= planned <= 5
