@@ -55,7 +55,7 @@ class Settled:
     """How a pre-draft ended within its round."""
 
     work: Work
-    tried: int
+    tried: int  # the sequences it drafted for that have a next round to hit or miss (not those the verdict ended)
     hits: int
     unverified: int
     cut_hits: int = 0  # of the hits, those whose verdict cut the assumed path (an alternative's branch)
@@ -196,10 +196,11 @@ class RoundAhead:
             self.calls.release[pre.group] += pre.released
             self.calls.failed(e)
             return None
-        hits, cut_hits, unverified = 0, 0, 0
-        for live, path, wire in zip(pre.lives, pre.paths, drafted.proposals, strict=True):
+        hits, cut_hits, unverified, ended = 0, 0, 0, 0
+        for live, path, wire, depth in zip(pre.lives, pre.paths, drafted.proposals, pre.depths, strict=True):
             verdict = committed.get(live.seq.seq_id)  # () while still prefilling
             alive = bool(verdict) and live.seq.seq_id in group and live.seq.finish_reason is None
+            ended += bool(depth and verdict and live.seq.finish_reason is not None)  # no next round: no hit or miss
             taken = take_ahead(wire.decode(), verdict) if alive and verdict else None
             # the spine's nodes are round N's own drafts, verified there
             unverified += wire.tree.size - len(path) - (taken.tree.size if taken is not None else 0)
@@ -209,5 +210,5 @@ class RoundAhead:
                     unverified += taken.tree.size  # the round plans the quote in its place
                 else:
                     live.proposal = WireProposal.encode(taken)
-        self.metrics.ahead(pre.drafting, hits, "settled", unverified)
-        return Settled(drafted.work, pre.drafting, hits, unverified, cut_hits)
+        self.metrics.ahead(pre.drafting - ended, hits, "settled", unverified)
+        return Settled(drafted.work, pre.drafting - ended, hits, unverified, cut_hits)

@@ -238,3 +238,24 @@ def test_near_max_tokens_alternatives_still_pre_draft() -> None:
     assert depth(0) is None
     planned = depth(2)  # at most 7 to go, less the cut's one token and the round after's one
     assert planned is not None and 1 <= planned <= 5
+
+
+def test_a_pre_draft_for_a_sequence_the_verdict_ended_is_neither_hit_nor_miss() -> None:
+    """The verdict that reaches max_tokens (or a stop) leaves no next round for the pre-draft: it is not tried,
+    so the hit rate counts only pre-drafts that had a round to serve. Its drafts count as never verified."""
+    config = RouterConfig()
+    ahead = RoundAhead(DraftCalls(None, "lane", 1, config), config, RouterMetrics(), Speculation(DepthConfig(), None))
+    pre_tree = TokenTree(7, (8, 9, 10, 11), (0, 1, 2, 3))  # spine 8, 9; the guess 10; 11 under it
+
+    async def settle(finished: bool) -> Settled | None:
+        live = Live(Sequence("s", [1, 2, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=64)))
+        live.seq.stats.steps = 3
+        live.seq.finish_reason = "length" if finished else None
+        task = asyncio.get_running_loop().create_future()
+        task.set_result(Drafted([WireProposal.encode(Proposal(pre_tree))], Work(0.0, 0.1), "d"))
+        pre = PreDraft(0, task, [live], [[8, 9]], [], [2])  # type: ignore[arg-type]
+        return await ahead.settle(pre, {"s": live}, 1.0, {"s": (8, 9, 10)})
+
+    going, ended = asyncio.run(settle(False)), asyncio.run(settle(True))
+    assert going is not None and (going.tried, going.hits) == (1, 1)
+    assert ended is not None and (ended.tried, ended.hits) == (0, 0) and ended.unverified == 2
