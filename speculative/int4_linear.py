@@ -24,7 +24,7 @@ import torch
 from speculative import int4_vnni
 
 GROUP = int4_vnni.GROUP  # inputs per scale and minimum (Q4_K's block; both kernels take 32)
-MAX_ROWS = 8  # most rows a forward runs on the int4 weights; more run on the bfloat16 ones
+MAX_ROWS = int4_vnni.MAX_ROWS  # most rows a forward runs on the int4 weights (the VNNI kernel's most); more on bfloat16
 LEVELS = 15  # 4 bits: quantized values 0..15
 Kernel = Literal["vnni", "aten"]
 
