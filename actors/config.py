@@ -77,9 +77,10 @@ class ModelConfig(BaseModel):
     )
     cpu_linear: CpuLinear = Field(
         default="torch",
-        description="onednn: float32 Linear layers through oneDNN with weights prepacked at load "
-        "(speculative/cpu_linear.py; CPU only): a forward of a few tokens costs far less than with MKL's sgemm "
-        "on AMD CPUs. Other dtypes keep torch's kernels.",
+        description="onednn: float32 Linear layers, and bfloat16 ones where oneDNN computes bfloat16 natively, "
+        "through oneDNN with weights prepacked at load (speculative/cpu_linear.py; CPU only): in float32 a forward "
+        "of a few tokens costs far less than with MKL's sgemm on AMD CPUs; in bfloat16 every forward skips the "
+        "weight reorder torch's Linear does per call (the same bits). Other dtypes keep torch's kernels.",
     )
 
     @model_validator(mode="after")

@@ -1,8 +1,10 @@
 """What one Linear costs by rows of input, per CPU kernel: why `dtype: auto` and `cpu_linear: onednn`.
 
 One 1536x8960 Linear (a Qwen 1.5B MLP matrix), random weights, on `--threads` torch threads, timed at
-each row count with torch's bfloat16 and float32 kernels and with the float32 weight prepacked for
-oneDNN (`speculative/cpu_linear.py`), all in one run. A verify of k draft tokens is a forward of
+each row count with torch's bfloat16 and float32 kernels and with the weight prepacked for oneDNN
+(`speculative/cpu_linear.py`: float32, and bfloat16 where oneDNN computes it natively), all in one run.
+The matrix (27 MB in bfloat16) stays in a large last-level cache between calls, so these times show the
+kernels' own work, not a whole model's weight reads. A verify of k draft tokens is a forward of
 1 + k rows, a decode step one row: the ratio to the 1-row float32 call is what speculation pays.
 
     python -m bench.cpu_linear               # ~1 minute
@@ -21,7 +23,8 @@ from bench import figures, report
 from speculative.cpu_linear import PackedLinear
 
 NAME = "cpu_linear"
-KERNELS = ("bfloat16", "float32", "float32 oneDNN packed")
+BF16_PACKED = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # `cpu_linear.packable`
+KERNELS = ("bfloat16", "float32", "float32 oneDNN packed") + (("bfloat16 oneDNN packed",) if BF16_PACKED else ())
 
 
 def seconds(f: Any, reps: int) -> float:
@@ -39,17 +42,18 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     linear = torch.nn.Linear(args.inputs, args.outputs, bias=False)
-    layers: dict[str, torch.nn.Module] = {
-        "bfloat16": torch.nn.Linear(args.inputs, args.outputs, bias=False).to(torch.bfloat16)
-    }
-    layers |= {"float32": linear, "float32 oneDNN packed": PackedLinear(linear)}
+    half = torch.nn.Linear(args.inputs, args.outputs, bias=False).to(torch.bfloat16)
+    layers: dict[str, torch.nn.Module] = {"bfloat16": half, "float32": linear}
+    layers["float32 oneDNN packed"] = PackedLinear(linear)
+    if BF16_PACKED:
+        layers["bfloat16 oneDNN packed"] = PackedLinear(half)
     rows = []
     with torch.inference_mode():
         for n in args.rows:
             x = torch.randn(n, args.inputs)
             row: dict[str, Any] = {"rows": n}
             for kernel, layer in layers.items():
-                inp = x.to(torch.bfloat16) if kernel == "bfloat16" else x
+                inp = x.to(torch.bfloat16) if kernel.startswith("bfloat16") else x
                 row[f"{kernel}_ms"] = 1e3 * seconds(lambda layer=layer, inp=inp: layer(inp), args.reps)
             print(row, flush=True)
             rows.append(row)

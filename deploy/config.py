@@ -254,8 +254,10 @@ class AppConfig(BaseModel):
     )
     cpu_linear: CpuLinear = Field(
         default="torch",
-        description="onednn: both models' float32 Linear layers through oneDNN, weights prepacked at load "
-        "(CPU only, tp_size 1); a verify of a few tokens costs far less than with torch's MKL sgemm on AMD CPUs.",
+        description="onednn: both models' float32 Linear layers (and bfloat16 ones where oneDNN computes bfloat16 "
+        "natively) through oneDNN, weights prepacked at load (CPU only, tp_size 1): in float32 a verify of a few "
+        "tokens costs far less than with torch's MKL sgemm on AMD CPUs; in bfloat16 a decode step skips the weight "
+        "reorder torch's Linear does per call (Qwen 1.5B on a Xeon with AMX: ~380 -> ~290 ms, the same bits).",
     )
     tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree of each target replica.")
     torch_threads: int | None = Field(default=None, ge=1, le=1024, description="torch threads per worker process.")

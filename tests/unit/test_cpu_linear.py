@@ -1,13 +1,14 @@
-"""`cpu_linear: onednn`: float32 Linear layers through oneDNN with prepacked weights.
+"""`cpu_linear: onednn`: float32 and bfloat16 Linear layers through oneDNN with prepacked weights.
 
-The packed model computes what the unpacked one does up to float32 rounding, and speculation over it
-stays exact: greedy output through the decoder, drafting and verifying on packed models, is the packed
-target's own `generate(do_sample=False)`.
+The packed model computes what the unpacked one does up to float32 rounding (bfloat16: the same bits), and
+speculation over it stays exact: greedy output through the decoder, drafting and verifying on packed
+models, is the packed target's own `generate(do_sample=False)`.
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from speculative.cpu_linear import PackedLinear, packed
 from speculative.decoder import SpeculativeDecoder
 from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.loading import quantized
+from speculative.loading import native_bf16, quantized
 from speculative.runner import ModelRunner
 from speculative.sampling import SamplingParams
 from speculative.target import TargetVerifier
@@ -39,12 +40,38 @@ def test_packed_linear_computes_the_linear(shape: tuple[int, ...], bias: bool) -
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_only_float32_cpu_linears_are_packed() -> None:
+BF16 = pytest.mark.skipif(not native_bf16("cpu"), reason="oneDNN has no native bfloat16 kernels on this CPU")
+
+
+@BF16
+@pytest.mark.parametrize("rows", [1, 9, 40, 128])
+def test_packed_bfloat16_computes_torchs_bits(rows: int) -> None:
+    """torch's bfloat16 Linear runs the same oneDNN kernel, reordering the weight on every call: packed once,
+    the layer gives the same bits at every row count (so verification matches plain decoding as before)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 320, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(PackedLinear(linear)(x), linear(x))
+
+
+def test_a_packed_layer_copies_and_pickles() -> None:
+    """A packed layer deep-copies and pickles (oneDNN's blocked weight is opaque: it travels unpacked)."""
+    layer = PackedLinear(torch.nn.Linear(48, 80))
+    x = torch.randn(3, 48)
+    with torch.inference_mode():
+        assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+        assert torch.equal(pickle.loads(pickle.dumps(layer))(x), layer(x))
+
+
+def test_float32_and_native_bfloat16_cpu_linears_are_packed() -> None:
     model = packed(tiny_model("llama"), "onednn")
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert any(isinstance(m, PackedLinear) for m in model.modules())
-    half = packed(tiny_model("llama").to(torch.bfloat16), "onednn")  # bf16: torch's kernels (oneDNN already)
-    assert not any(isinstance(m, PackedLinear) for m in half.modules())
+    half = packed(tiny_model("llama").to(torch.bfloat16), "onednn")  # where oneDNN computes bf16 natively
+    assert any(isinstance(m, PackedLinear) for m in half.modules()) == native_bf16("cpu")
+    fp16 = packed(tiny_model("llama").to(torch.float16), "onednn")  # torch's kernels
+    assert not any(isinstance(m, PackedLinear) for m in fp16.modules())
     int8 = packed(quantized(tiny_model("llama"), "int8"), "onednn")  # nothing left to pack
     assert not any(isinstance(m, PackedLinear) for m in int8.modules())
     assert packed(model, "torch") is model
