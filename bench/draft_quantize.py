@@ -32,6 +32,7 @@ from bench.cpu_linear import seconds
 from bench.single_stream import PROMPTS
 from deploy.models import resolve
 from speculative import int4_vnni
+from speculative.cpu_linear import packed
 from speculative.int4_linear import Kernel, int4_quantized
 from speculative.loading import chat_ids, resolve_dtype, resolve_quantize
 from speculative.runner import ModelRunner, chain_parents
@@ -84,8 +85,8 @@ def load_draft(path: str, fmt: Quantize, kernel: Kernel | None, threads: int) ->
     """The draft as a replica loads it; an int4 one with the given kernel."""
     if kernel is None:
         return load_lm(ModelConfig(path=path, quantize=fmt, cpu_linear="onednn", torch_threads=threads))
-    bf16 = load_lm(ModelConfig(path=path, dtype="bfloat16", cpu_linear="onednn", torch_threads=threads))
-    return int4_quantized(bf16, kernel)
+    bf16 = load_lm(ModelConfig(path=path, dtype="bfloat16", cpu_linear="torch", torch_threads=threads))
+    return packed(int4_quantized(bf16, kernel), "onednn")  # quantized, then packed, as `load_lm` orders them
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:

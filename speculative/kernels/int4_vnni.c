@@ -19,7 +19,9 @@
 #define TILE 16
 #define GROUP 32
 #define BLOCK 320
-#define PREFETCH (16 * BLOCK)  // bytes ahead of the block in use
+// Bytes ahead of the block in use, fetched into L2 (not L1: a stream there evicts the rows and sums the
+// loop reuses): a draft level of Qwen 0.5B takes ~9 % less than with 16 blocks ahead into L1.
+#define PREFETCH (32 * BLOCK)
 #define MAX_ROWS 8
 
 static inline __m512 bf16x16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
@@ -57,7 +59,7 @@ static inline __attribute__((always_inline)) void rows_by_tiles(
         __m512 acc[MAX_ROWS];
         for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
         for (int g = 0; g < G; g++, w += BLOCK) {
-            for (int line = 0; line < BLOCK; line += 64) _mm_prefetch((const char*)(w + PREFETCH + line), _MM_HINT_T0);
+            for (int line = 0; line < BLOCK; line += 64) _mm_prefetch((const char*)(w + PREFETCH + line), _MM_HINT_T1);
             __m512i lo_acc[MAX_ROWS], hi_acc[MAX_ROWS];  // two chains per row: VPDPBUSD's latency
             for (int r = 0; r < MR; r++) lo_acc[r] = hi_acc[r] = _mm512_setzero_si512();
             for (int c = 0; c < 4; c++) {
