@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from bench import figures, report
-from speculative.cpu_linear import PackedLinear
+from speculative.cpu_linear import PackedLinear, native_bf16
 
 NAME = "cpu_linear"
-BF16_PACKED = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # `cpu_linear.packable`
+BF16_PACKED = native_bf16("cpu")  # bfloat16 layers are `cpu_linear.packable` here
 KERNELS = ("bfloat16", "float32", "float32 oneDNN packed") + (("bfloat16 oneDNN packed",) if BF16_PACKED else ())
 
 
@@ -87,7 +87,7 @@ def main() -> None:
     ]
     intro = (
         f"One {args.inputs}x{args.outputs} Linear, {args.threads} torch thread(s), median of {args.reps} calls; "
-        f"bf16 support in oneDNN here: {bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}.\n\n"
+        f"bf16 support in oneDNN here: {BF16_PACKED}.\n\n"
     )
     stem = report.write(NAME, {"config": vars(args), "rows": rows}, intro + report.markdown_table(columns, table))
     plot(rows, stem)

@@ -61,14 +61,21 @@ class PackedLinear(torch.nn.Module):
 M = TypeVar("M", bound=torch.nn.Module)
 
 
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bfloat16 matmuls natively: a CUDA device, or a CPU whose oneDNN has bf16
+    kernels (AVX-512 BF16, AMX). Elsewhere (AVX2 CPUs) a bf16 Linear is emulated and slower than a float32
+    one (docs/models.md has the figures)."""
+    if device.startswith("cuda"):
+        return True
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packable(weight: torch.Tensor) -> bool:
     """Whether a Linear with this weight runs packed: on the CPU, float32, or bfloat16 where oneDNN computes
     it natively (elsewhere torch emulates bfloat16 and its own path stays)."""
     if weight.device.type != "cpu":
         return False
-    return weight.dtype == torch.float32 or (
-        weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16("cpu"))
 
 
 def packed(model: M, mode: str) -> M:

@@ -58,7 +58,10 @@ class Int4Linear(torch.nn.Module):
         # for forwards of many rows: the bfloat16 weight packed for oneDNN (a tied head's is a copy), else kept
         # as it is (no copy: a tied head shares the embedding's)
         self.dense = PackedLinear(linear) if packable(weight) else None
-        self.register_buffer("weight", weight if self.dense is None else self.dense.weight, persistent=False)
+        if self.dense is None:
+            self.register_buffer("weight", weight, persistent=False)
+        else:  # the shape alone (meta), a plain attribute as in PackedLinear: `Module.to` has no data to move
+            self.weight = self.dense.weight
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
 

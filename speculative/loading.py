@@ -7,18 +7,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from speculative.cpu_linear import native_bf16
 from speculative.int4_linear import int4_quantized
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def native_bf16(device: str) -> bool:
-    """Whether `device` computes bfloat16 matmuls natively: a CUDA device, or a CPU whose oneDNN has bf16
-    kernels (AVX-512 BF16, AMX). Elsewhere (AVX2 CPUs) a bf16 Linear is emulated and slower than a float32
-    one (docs/models.md has the figures)."""
-    if device.startswith("cuda"):
-        return True
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:

@@ -80,6 +80,19 @@ def test_a_layer_copies_and_pickles(kernel: Kernel, one_thread: None) -> None:
     assert torch.equal(pickle.loads(pickle.dumps(layer))(x), layer(x))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_layer_moves_with_module_to(kernel: Kernel, one_thread: None) -> None:
+    """`Module.to` on a quantized draft (to the CPU, to its own dtype) leaves it computing as before: the
+    layer holds no tensor `to` cannot move (where oneDNN holds the bfloat16 weight, the layer keeps its shape
+    alone, not as a buffer)."""
+    layer = Int4Linear(linear(), kernel)
+    x = torch.randn(MAX_ROWS + 1, layer.in_features).to(torch.bfloat16)  # [rows, in]: the bfloat16 path
+    want = layer(x)
+    moved = layer.to("cpu").to(torch.bfloat16)
+    assert moved.weight.shape == (layer.out_features, layer.in_features)
+    assert torch.equal(moved(x), want)
+
+
 def test_the_kernel_builds_once_per_source_and_a_missing_compiler_is_no_error(tmp_path: Path) -> None:
     """The C source compiles into the kernels folder under its hash, once; where no compiler runs the build
     says so and yields None (the layers then use torch's kernel), nothing raises."""
