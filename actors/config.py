@@ -234,6 +234,13 @@ class RouterConfig(BaseModel):
         "confidence), so a verdict that rejects a draft token can still find its next round drafted. Each "
         "widens the pre-draft's forwards by one token (near free while a forward reads weights, not computes).",
     )
+    catch_up_beside_prefill: bool = Field(
+        default=True,
+        description="Round ahead: the draft model catches up on the prompt of a sequence alone in its lane beside "
+        "the target's prefill, so the round after the first token drafts at once. Where the pools and the router "
+        "share a few CPU cores (deploy/local.yaml), the catch-up slows the first token instead; off, the second "
+        "round verifies no draft while the draft model catches up and pre-drafts the third beside it.",
+    )
     ahead_prefill_tokens: int = Field(
         default=512,
         ge=0,

@@ -238,6 +238,7 @@ class Lane:
         ]
         pre = self.ahead.start(g, self.cache_key(g), lives, self.target_waiting) if ahead else None
         verified = await self._verify_call(g, items)
+        arrived = time.perf_counter()
         self.drafted[g] = False
         if isinstance(verified, str):
             self._fail(g, verified)
@@ -258,7 +259,9 @@ class Lane:
         if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token
             verdicts = {x.seq.seq_id: v.tokens for x, v in zip(lives, verified.verdicts, strict=True)}
             group = self.groups[g]
-            half.ahead = await self.ahead.settle(pre, group, verified.work.seconds, verdicts, self.target_waiting)
+            half.ahead = await self.ahead.settle(
+                pre, group, verified.work.seconds, verdicts, self.target_waiting, arrived
+            )
             if half.ahead is not None:
                 self.drafted[g] = bool(group) and all(x.proposal is not None for x in group.values())
         return half

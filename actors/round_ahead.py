@@ -1,24 +1,28 @@
 """Round ahead in a lane (`speculative/ahead.py`): the next round's drafts, made beside a verify.
 
 While a group is verified, the draft pool pre-drafts that group's next round from the continuation
-it expects, for a group of one sequence (at one stream nothing else would overlap). Nothing runs
-beside a prefill: the draft model's catch-up on the prompt is compute-bound like the prefill, and
-beside it slows the first token where the pools share a machine (two cores of one CPU). A sequence
-alone in its group instead verifies its second round with no draft while the draft model catches
-up on the prompt and pre-drafts the third round beside that verify, under its guesses of the
-verify's token (the draft's likeliest next tokens); a prompt over `router.ahead_prefill_tokens`,
-and a sequence beside others, is left to the depth controller, which prices its catch-up (with
-ping-pong, in the draft half beside the other group's verify). When the verdict matches, the next
-verify starts at once with that draft (or with prompt lookup's quote of the context, where the
-quote runs deeper); when not, the sequence is drafted again at the next round's start.
-The round waits for a pre-draft at most as long as its verify took (a catch-up: until it answers,
-within its call's deadline); a later one is dropped, and the pool is not called again until it has
-answered.
+it expects, for a group of one sequence (at one stream nothing else would overlap). A sequence alone
+in its group starts beside its prefill (`router.catch_up_beside_prefill`): the draft model catches
+up on the prompt there, drafting nothing (a draft beside the prefill is for a first token not yet
+known), so the round after the first token drafts at once. Otherwise (or where the pool was busy
+beside the prefill) the sequence's second round verifies no draft while the draft model catches up
+and pre-drafts the third round beside it, under its guesses of the verify's token. A prompt over
+`router.ahead_prefill_tokens`, and a sequence beside others, is left to the depth controller, which
+prices its catch-up (with ping-pong, in the draft half beside the other group's verify). When the
+verdict matches, the next verify starts at once with that draft (or with prompt lookup's quote of
+the context, where the quote runs deeper); when not, the sequence is drafted again at the next
+round's start.
+
+A pre-draft drafts until its verdict is expected at the router: the verify's predicted seconds plus
+a learned offset (the calls' hops and the prediction's bias, `StepCosts.ahead_deadline`). The round
+waits for a pre-draft at most as long as its verify took (a catch-up: until it answers, within its
+call's deadline); a later one is dropped, and the pool is not called again until it has answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from actors.config import RouterConfig
@@ -43,6 +47,11 @@ class PreDraft:
     released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
     depths: list[int]  # per live, its depth (0: a catch-up, drafting nothing)
     catching_up: bool = False  # its sequence's prompt is caught up on (`RoundAhead.catches_up`): awaited whole
+    predicted: float | None = None  # the verify's predicted seconds its deadline was sized from (None: no deadline)
+    answered: float | None = None  # `time.perf_counter()` when the pool answered
+
+    def on_answer(self, _: asyncio.Task[Drafted]) -> None:
+        self.answered = time.perf_counter()
 
     @property
     def drafting(self) -> int:
@@ -69,12 +78,12 @@ class RoundAhead:
 
     def catches_up(self, live: Live) -> bool:
         """Whether this sequence, alone in its group, verifies its round with no draft while the draft model
-        catches up on its prompt and pre-drafts its next round beside that verify: past its prefill, never
-        drafted (the pool has seen none of it), its prompt within `ahead_prefill_tokens`, and speculating."""
+        catches up on its prompt beside that verify: in its prefill (catching up only, where
+        `catch_up_beside_prefill`), or past it never drafted (catching up, then pre-drafting the next round);
+        its prompt within `ahead_prefill_tokens`, and speculating."""
         seq = live.seq
         return (
-            seq.stats.steps > 0
-            and not live.draft_seen
+            (self.config.catch_up_beside_prefill if not seq.stats.steps else not live.draft_seen)
             and len(seq.tokens) <= self.config.ahead_prefill_tokens
             and seq.params.max_draft_tokens != 0
             and seq.params.max_tokens - len(seq.output) > 2  # a drafting round after this one
@@ -102,6 +111,8 @@ class RoundAhead:
         drafted = tree is not None and tree.size
         if not (catching_up or (group_size == 1 and drafted and self._deterministic(live))):
             return None
+        if catching_up and not seq.stats.steps:
+            return catch_up  # beside a prefill: catching up only (`catches_up`)
         # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
         plan = speculation.depths([seq], 1, target_waiting, overlapped=True, extra_levels=1)
         if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
@@ -127,11 +138,13 @@ class RoundAhead:
             return None
         requests, paths, work = [], [], 0
         trees = {x.seq.seq_id: (x.proposal or bare_proposal(x.seq)).tree for x in lives}  # as verified
-        # Hidden behind the verify about to start: no level that would end after it (the round would wait);
-        # a catch-up drafts its whole depth, as the round's start would have after catching up in its place.
-        deadline = (
-            None if catching_up else self.speculation.verify_seconds([x.seq for x in lives], list(trees.values()))
-        )
+        # Hidden behind the verify about to start: no level that would end after its verdict is back (the
+        # round would wait); a catch-up drafts its whole depth, as the round's start would have after catching
+        # up in its place.
+        verify_seconds = self.speculation.verify_seconds([x.seq for x in lives], list(trees.values()))
+        predicted = None if catching_up else verify_seconds
+        costs = self.speculation.costs
+        deadline = None if predicted is None or costs is None else costs.ahead_deadline(predicted)
         for live, depth in picked:
             seq, tree = live.seq, trees[live.seq.seq_id]
             # a catch-up (0 deep) is a plain draft call, its guess unused; with no spine (beside a verify of no
@@ -148,7 +161,10 @@ class RoundAhead:
             stats = seq.stats
             stats.draft_synced, stats.drafted_at, stats.draft_catch_up = len(request.tokens), stats.steps, 0
         task, released = self.calls.send(g, cache_key, requests, work)
-        return PreDraft(g, task, [x for x, _ in picked], paths, released, [d for _, d in picked], catching_up)
+        depths = [d for _, d in picked]
+        pre = PreDraft(g, task, [x for x, _ in picked], paths, released, depths, catching_up, predicted)
+        task.add_done_callback(pre.on_answer)
+        return pre
 
     def _quoted_deeper(self, live: Live, taken: Proposal, target_waiting: int) -> bool:
         """Whether the next round would rather verify prompt lookup's quote of the context than this hit: the
@@ -158,6 +174,14 @@ class RoundAhead:
             return False
         plan = self.speculation.depths([live.seq], 1, target_waiting, overlapped=True)
         return plan.runs[0] >= QUOTE_RUN and plan.depths[0] > max(taken.tree.depths)
+
+    def _learn_deadline(self, pre: PreDraft, work: Work, arrived: float | None) -> None:
+        """What the pre-draft's deadline should have been: its seconds, less how late it answered after the
+        verdict (learned from pre-drafts beside a verify of drafts, the steady rounds it is for)."""
+        costs, predicted, answered = self.speculation.costs, pre.predicted, pre.answered
+        if costs is None or predicted is None or answered is None or arrived is None or pre.catching_up:
+            return
+        costs.observe_ahead(predicted, work.seconds - (answered - arrived))
 
     def drop(self, pre: PreDraft) -> None:
         """Leave a pre-draft to finish unused; the pool is not called until it has answered."""
@@ -170,6 +194,7 @@ class RoundAhead:
         verify_s: float,
         committed: dict[str, tuple[int, ...]],
         target_waiting: int = 0,
+        arrived: float | None = None,
     ) -> Settled | None:
         """Take the pre-drafts that the verdicts (`committed`: each sequence's verdict tokens) matched, as
         the proposals of `group`'s (the pre-draft's group) next round; None: nothing came in time. A hit
@@ -196,6 +221,7 @@ class RoundAhead:
             self.calls.release[pre.group] += pre.released
             self.calls.failed(e)
             return None
+        self._learn_deadline(pre, drafted.work, arrived)
         hits, cut_hits, unverified, ended = 0, 0, 0, 0
         for live, path, wire, depth in zip(pre.lives, pre.paths, drafted.proposals, pre.depths, strict=True):
             verdict = committed.get(live.seq.seq_id)  # () while still prefilling

@@ -51,6 +51,7 @@ def test_round_ahead_greedy_identical_to_the_target_alone_hits_and_misses(tiny_p
     assert stats["predraft_cut_hits"] > 0, "verdicts that cut the assumed path found an alternative's branch"
     assert stats["draft_tokens_unverified"] > 0
     assert sum(r["usage"]["accepted"] for r in results) > 0
+    assert router._costs.ahead_offset != 0.0, "pre-drafts' deadlines learned when their verdicts arrive"
     # Without alternatives, a verdict that cuts the assumed path always misses.
     plain = with_slow_verifies(make_router(tiny_pair, depth=depth, ahead_alternatives=0), every=True, delay_s=0.05)
     plain_results = asyncio.run(one_at_a_time(plain, requests, {"temperature": 0.0}))
@@ -80,12 +81,32 @@ def with_slow_verifies(router: Router, every: bool = False, delay_s: float = 2.0
     return router
 
 
-def test_nothing_runs_beside_a_prefill_and_the_next_round_catches_up(tiny_pair: TinyPair) -> None:
-    """Alone in its lane, a sequence's prefill verify has no draft call beside it (its first token waits for
-    no draft work); its second round verifies no draft while the draft model catches up on the prompt and
-    pre-drafts the third round beside it, so on a hit the third verify starts with no draft call first."""
+def test_the_draft_catches_up_beside_the_prefill_and_the_next_round_drafts_at_once(tiny_pair: TinyPair) -> None:
+    """Alone in its lane, a sequence's prefill verify has the draft model's catch-up on the prompt beside it,
+    drafting nothing (the first token waits for no draft work); its second round then drafts with the prompt
+    caught up, and pre-drafts the third round beside its verify: on a hit the third verify starts with no draft
+    call first, on a miss it is drafted again."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
-    router = with_slow_verifies(make_router(tiny_pair), every=True, delay_s=0.05)
+    # Depths by acceptance alone: which tiny forward was quicker does not decide whether the second round pre-drafts.
+    router = with_slow_verifies(make_router(tiny_pair, depth={"load_adaptive": False}), every=True, delay_s=0.05)
+    result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
+    assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
+    prefill, second, third = list(router._records)[:3]
+    assert prefill.verified_seqs == 1 and prefill.draft is None, "the prefill verified no draft"
+    assert prefill.ahead is not None and prefill.ahead.start < prefill.verify.end  # type: ignore[union-attr]
+    assert prefill.ahead_tried == 0, "beside the prefill it only caught up (no pre-draft to hit or miss)"
+    assert second.draft is not None, "the second round drafted at its start, the prompt caught up"
+    assert second.ahead_tried == 1, "it pre-drafted the third round beside its verify"
+    assert (third.draft is None) is (second.ahead_hits == 1), "on a hit the third verify took the pre-draft"
+
+
+def test_without_catch_up_beside_the_prefill_the_second_round_catches_up(tiny_pair: TinyPair) -> None:
+    """With `catch_up_beside_prefill` off (pools sharing a few CPU cores), nothing runs beside a prefill (its
+    first token waits for no draft work, nor shares the cores with it); the second round verifies no draft
+    while the draft model catches up on the prompt and pre-drafts the third round beside it, so on a hit
+    the third verify starts with no draft call first."""
+    prompt, _ = prompts_and_lengths(1, seed=4)[0]
+    router = with_slow_verifies(make_router(tiny_pair, catch_up_beside_prefill=False), every=True, delay_s=0.05)
     result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
     assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
     prefill, second, third = list(router._records)[:3]
@@ -128,15 +149,18 @@ def test_round_ahead_on_and_off_give_the_same_tokens(tiny_pair: TinyPair) -> Non
 
 
 class Slow:
-    """A draft pool whose calls take `per_token` seconds per token of work (catch-up plus drafting)."""
+    """A draft pool whose calls take `per_token` seconds per token of work (catch-up on tokens it has not seen,
+    plus drafting)."""
 
     def __init__(self, inner: object, per_token: float) -> None:
-        self.inner, self.per_token = inner, per_token
+        self.inner, self.per_token, self.seen = inner, per_token, dict[str, int]()
 
     async def call(self, method: str, lane: str | None, *args: object) -> object:
         if method == "propose":
-            requests = args[1]
-            work = sum(len(r.tokens) + r.budget for r in requests if r.budget)  # type: ignore[attr-defined]
+            work = 0
+            for r in args[1]:  # type: ignore[attr-defined]
+                work += max(len(r.tokens) - self.seen.get(r.seq_id, 0), 0) + r.budget
+                self.seen[r.seq_id] = len(r.tokens)
             await asyncio.sleep(self.per_token * work)
         return await self.inner.call(method, lane, *args)  # type: ignore[attr-defined]
 
@@ -172,15 +196,15 @@ def test_a_draft_replica_yields_the_cpu_to_the_target(tiny_pair: TinyPair) -> No
 
 def test_a_prompt_over_ahead_prefill_tokens_is_not_caught_up_on_round_ahead(tiny_pair: TinyPair) -> None:
     """A long prompt's catch-up would hold the draft replica, and every other sequence's drafts, for many
-    rounds: only sequences within `ahead_prefill_tokens` (prompt and first token) are caught up on beside
-    their second verify; the output is the target's either way."""
+    rounds: only sequences within `ahead_prefill_tokens` (the prompt) are caught up on beside their prefill;
+    the output is the target's either way."""
     prompt, _ = prompts_and_lengths(1, seed=4)[0]
-    for limit, caught_up in ((len(prompt) + 1, True), (len(prompt), False)):
+    for limit, caught_up in ((len(prompt), True), (len(prompt) - 1, False)):
         router = with_slow_verifies(make_router(tiny_pair, ahead_prefill_tokens=limit), every=True, delay_s=0.05)
         result = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 12}))
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, 12)
-        second = list(router._records)[1]
-        assert (second.ahead is not None and second.draft is None) is caught_up, limit
+        prefill = router._records[0]
+        assert (prefill.ahead is not None) is caught_up, limit
 
 
 def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:

@@ -520,3 +520,16 @@ def test_a_quote_drafts_deeper_than_max_depth(beside_model: bool) -> None:
         assert plan.depths[0] == 12 and plan.runs[0] == 8
         assert 0 < plan.depths[1] <= 4  # lookup's chance match, or the model's draft: max_depth
         assert speculation.depths([quoting, other], 16).depths[0] == 64 // 16 - 1  # the batch's budget binds
+
+
+def test_a_pre_draft_deadline_learns_when_its_verdict_reaches_the_router() -> None:
+    """A pre-draft drafts until its verdict is back: the verify's predicted seconds, corrected by what the
+    last pre-drafts could have drafted. One that worked 0.33 s and answered 0.03 s after its verdict had
+    0.30 s, against 0.32 s predicted: the deadline shortens, and one that answered early lengthens it."""
+    c = StepCosts(DepthConfig(cost_memory=0.5))
+    assert c.ahead_deadline(0.32) == pytest.approx(0.32)  # nothing learned: the prediction
+    c.observe_ahead(0.32, 0.33 - 0.03)
+    assert c.ahead_deadline(0.32) == pytest.approx(0.31)
+    c.observe_ahead(0.32, 0.30 + 0.04)  # finished 0.04 s before its verdict: it had 0.34 s
+    assert c.ahead_deadline(0.32) == pytest.approx(0.32 + 0.005)
+    assert c.ahead_deadline(0.0) == pytest.approx(0.005) and StepCosts().ahead_deadline(-1.0) == 0.0
