@@ -141,9 +141,8 @@ class RoundAhead:
         # Hidden behind the verify about to start: no level that would end after its verdict is back (the
         # round would wait); a catch-up drafts its whole depth, as the round's start would have after catching
         # up in its place.
-        verify_seconds = self.speculation.verify_seconds([x.seq for x in lives], list(trees.values()))
-        predicted = None if catching_up else verify_seconds
-        costs = self.speculation.costs
+        seqs, costs = [x.seq for x in lives], self.speculation.costs
+        predicted = None if catching_up else self.speculation.verify_seconds(seqs, list(trees.values()))
         deadline = None if predicted is None or costs is None else costs.ahead_deadline(predicted)
         for live, depth in picked:
             seq, tree = live.seq, trees[live.seq.seq_id]
@@ -177,9 +176,9 @@ class RoundAhead:
 
     def _learn_deadline(self, pre: PreDraft, work: Work, arrived: float | None) -> None:
         """What the pre-draft's deadline should have been: its seconds, less how late it answered after the
-        verdict (learned from pre-drafts beside a verify of drafts, the steady rounds it is for)."""
+        verdict (learned from pre-drafts with a deadline: beside a verify of drafts, the steady rounds it is for)."""
         costs, predicted, answered = self.speculation.costs, pre.predicted, pre.answered
-        if costs is None or predicted is None or answered is None or arrived is None or pre.catching_up:
+        if costs is None or predicted is None or answered is None or arrived is None:
             return
         costs.observe_ahead(predicted, work.seconds - (answered - arrived))
 
