@@ -42,6 +42,19 @@ KvMemoryFraction = Annotated[
     ),
 ]
 
+# Where a target shard runs on a CPU machine (actors/cpu_cores.py).
+CpuCores = Annotated[
+    tuple[Annotated[int, Field(ge=0, le=65_535)], ...] | None,
+    Field(
+        min_length=1,
+        description="CPU cores (Linux ids) the target's shard processes run on, every thread of them, as vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND; with tp_size > 1 each rank takes an equal slice in order. A local run "
+        "(`make run`, the benchmarks) keeps its other processes off them, so the target's forwards are not "
+        "preempted by the draft or by Ray's background threads. None: the OS places the threads. A core this "
+        "machine lacks leaves the shard unpinned, with a warning.",
+    ),
+]
+
 
 class ModelConfig(BaseModel):
     """Where a model comes from and how it is held in memory."""
@@ -183,6 +196,7 @@ class TargetConfig(BaseModel):
     kv_budget_tokens: KvBudgetTokens = None
     kv_memory_fraction: KvMemoryFraction = 0.5
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs each shard actor reserves.")
+    cpu_cores: CpuCores = None
     shard_num_gpus: float = Field(
         default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."
     )
@@ -208,6 +222,10 @@ class TargetConfig(BaseModel):
             raise ValueError("model.quantize: the target is never quantized (its tokens are the output)")
         if self.model.cpu_linear == "onednn" and self.tp_size > 1:
             raise ValueError("cpu_linear: 'onednn' needs tp_size 1 (tensor parallelism shards torch's Linear layers)")
+        if self.cpu_cores is not None and len(self.cpu_cores) % self.tp_size:
+            raise ValueError(
+                f"cpu_cores: {len(self.cpu_cores)} cores do not split evenly over tp_size {self.tp_size} ranks"
+            )
         return self
 
 

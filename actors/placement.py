@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 
+from actors.cpu_cores import usable_cores
 from actors.heap import frozen_objects
 
 
@@ -28,6 +29,8 @@ def where() -> dict[str, Any]:
         "gpu_ids": [],
         "node_id": None,
         "placement_group_id": None,
+        "cpu_cores": sorted(usable_cores()),  # where the process may run (actors/cpu_cores.py)
+        "niceness": os.nice(0),
         "heap_frozen": frozen_objects(),  # start-up objects no collection walks (actors/heap.py)
     }
     if not ray.is_initialized():

@@ -84,7 +84,7 @@ class RayShards:
                 num_cpus=config.shard_num_cpus,
                 num_gpus=config.shard_num_gpus,
                 scheduling_strategy=None if pg is None else PlacementGroupSchedulingStrategy(pg, rank),
-            ).remote(config, rank, resolve)
+            ).remote(config, rank, resolve, own_process=True)
             for rank in range(config.tp_size)
         ]
         address, port = ray.get(self.actors[0].address.remote()) if config.tp_size > 1 else (None, None)

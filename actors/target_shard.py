@@ -21,6 +21,7 @@ import ray
 
 from actors import tp
 from actors.config import TargetConfig
+from actors.cpu_cores import pin_process, rank_cores
 from actors.groups import GroupCaches
 from actors.heap import freeze_heap
 from actors.loading import Resolver, identity, load_grammars, load_lm
@@ -39,8 +40,13 @@ HEALTH_GROUP = "health"  # the actor's concurrency group for `ping` (RayShards d
 
 
 class TargetShard:
-    def __init__(self, config: TargetConfig, rank: int, resolve: Resolver = identity) -> None:
+    def __init__(
+        self, config: TargetConfig, rank: int, resolve: Resolver = identity, own_process: bool = False
+    ) -> None:
+        """`own_process`: the shard is alone in its process (a Ray actor), so `config.cpu_cores` applies."""
         self.config, self.rank, self._resolve = config, rank, resolve
+        if own_process and config.cpu_cores is not None:
+            pin_process(rank_cores(config.cpu_cores, rank, config.tp_size))
         self._verifiers: GroupCaches[TargetVerifier] | None = None
         self._info: TargetInfo | None = None
 

@@ -13,6 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from actors.config import (
     CPU_QUANTIZE,
+    CpuCores,
     CpuLinear,
     DraftWorkerConfig,
     Dtype,
@@ -163,6 +164,7 @@ class TargetPoolConfig(BaseModel):
 
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per shard (per placement bundle).")
     shard_num_gpus: float = Field(default=0.0, ge=0, le=1, description="GPUs per shard (1 on GPU machines).")
+    cpu_cores: CpuCores = None
     resources: NodeResources = Field(
         default_factory=dict,
         description="Custom resources per shard (per placement bundle): only nodes declaring them take "
@@ -325,6 +327,7 @@ class AppConfig(BaseModel):
             idle_evict_s=pool.idle_evict_s,
             shard_num_cpus=pool.shard_num_cpus,
             shard_num_gpus=pool.shard_num_gpus,
+            cpu_cores=pool.cpu_cores,
             prefill_chunk_tokens=pool.prefill_chunk_tokens,
             kv_budget_tokens=pool.kv_budget_tokens,
             kv_memory_fraction=pool.kv_memory_fraction,

@@ -187,15 +187,16 @@ def _bindable(port: int) -> int:
 
 
 def start_local_ray(args: dict[str, Any], apps: int = 1, metrics_port: int = METRICS_PORT) -> str:
-    """Ray embedded in this process, with CPUs for `apps` applications of the config's replicas; its log
-    lines go to its folder. Returns the URL of its Prometheus endpoint (Ray's metrics agent on
-    `metrics_port`, or another port where that one is taken: specserve's metrics beside Ray's and
-    Serve's, docs/metrics.md)."""
+    """Ray embedded in this process, with CPUs for `apps` applications of the config's replicas, off the
+    target's `cpu_cores` and its workers at niceness 0; its log lines go to its folder. Returns the URL
+    of its Prometheus endpoint (Ray's metrics agent on `metrics_port`, or another port where that one
+    is taken: specserve's metrics beside Ray's and Serve's, docs/metrics.md)."""
     import ray
 
     from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # Serve's proxies (started by this Ray) read it
+    _leave_target_cores(args)
     metrics_port = _bindable(metrics_port)
     ray.init(
         address="local",
@@ -205,12 +206,33 @@ def start_local_ray(args: dict[str, Any], apps: int = 1, metrics_port: int = MET
         log_to_driver=False,  # the replicas' lines stay in Ray's session folder (printed below)
         logging_level=logging.WARNING,
         _metrics_export_port=metrics_port,  # `ray start --metrics-export-port`, as on a cluster
+        # Ray starts its workers at niceness 15, every replica below Ray's own daemons; at 0 the draft pool's
+        # `nice` ranks the draft below the target and the router instead (docs/design.md).
+        _system_config={"worker_niceness": 0},
     )
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     print(f"Ray and Serve log to {_session_logs()}", file=sys.stderr)
     print(f"Prometheus metrics: {metrics} (docs/metrics.md)", file=sys.stderr)
     return metrics
+
+
+_driver_cores: set[int] | None = None  # this process's cores before `_leave_target_cores` moved it
+
+
+def _leave_target_cores(args: dict[str, Any]) -> None:
+    """With `target_pool.cpu_cores` set, this process (the driver) moves to the other cores before Ray
+    starts, so Ray's processes, Serve's and the draft's, which all inherit its cores, leave the target
+    shard's to it (actors/cpu_cores.py). `stop_local_ray` moves it back. Nothing where no core is left."""
+    global _driver_cores
+    from actors.cpu_cores import pin_process, usable_cores
+    from deploy.config import AppConfig
+
+    target = AppConfig.model_validate(args).target_pool.cpu_cores
+    before = usable_cores()
+    rest = before - set(target or ())
+    if target and rest and pin_process(rest):
+        _driver_cores = before
 
 
 def stop_local_ray() -> None:
@@ -225,6 +247,12 @@ def stop_local_ray() -> None:
     with open(logs / "shutdown.log", "a") as sink, contextlib.redirect_stdout(sink):
         serve.shutdown()
         ray.shutdown()
+    global _driver_cores
+    if _driver_cores is not None:
+        from actors.cpu_cores import pin_process
+
+        pin_process(_driver_cores)
+        _driver_cores = None
 
 
 def deploy_local(
