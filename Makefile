@@ -21,7 +21,7 @@ k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml, k8s/g
 	$(PYTHON) -m deploy.k8s render
 
 models: setup  ## fetch + convert the real models of docs/models.md (skipped when present)
-	$(PYTHON) -m deploy.models fetch qwen-1.5b qwen-0.5b smollm2-135m
+	$(PYTHON) -m modelstore fetch qwen-1.5b qwen-0.5b smollm2-135m
 
 test: models proto  ## the whole suite, as CI runs it
 	$(PYTHON) -m pytest -q --timeout=1800
@@ -32,10 +32,10 @@ test-fast: proto  ## unit tests only, no pretrained models
 lint: proto
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m mypy speculative actors deploy bench
+	$(PYTHON) -m mypy speculative actors deploy modelstore bench
 
 run: models  ## the server on embedded Ray with the default Qwen pair, answering one streamed request
-	$(PYTHON) -m deploy.cli serve
+	$(PYTHON) -m deploy.local.cli serve
 
 # Medusa and EAGLE heads for the default target, trained here on its own outputs (speculative/train);
 # skipped where already trained. About 30 + 30 minutes on 2 CPU cores, the data built once for both.

@@ -10,16 +10,16 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig
 from speculative.drafters.medusa import DEFAULT_CHOICES
+from speculative.planning.depth import DepthConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantize = Literal["none", "int8", "int4", "auto"]
 CPU_QUANTIZE = ("int8", "int4")  # formats with CPU kernels only (auto resolves to none on a GPU)
 CpuLinear = Literal["torch", "onednn"]
 
-# A replica's KV budget (speculative/kv_budget.py): the router admits a sequence only when its prompt
+# A replica's KV budget (speculative/engine/kv_budget.py): the router admits a sequence only when its prompt
 # plus max_tokens fits in what is left of it, and no window larger than it is advertised.
 KvBudgetTokens = Annotated[
     int | None,
@@ -63,7 +63,7 @@ class ModelConfig(BaseModel):
 
     path: str = Field(
         min_length=1,
-        description="A registry short name of deploy/models.py (qwen-1.5b, ...), a local HF folder or a hub id.",
+        description="A registry short name of modelstore/ (qwen-1.5b, ...), a local HF folder or a hub id.",
     )
     dtype: Dtype = Field(
         default="auto",
@@ -85,13 +85,15 @@ class ModelConfig(BaseModel):
         default="none",
         description="int8: the Linear layers' weights in int8, quantized at load (torch's dynamic int8 "
         "kernels, CPU only), the rest in float32; int4: 4-bit weight groups for forwards of a few tokens, the "
-        "model in bfloat16 (speculative/int4_linear.py, CPU only); auto: int4 on a CPU with native bfloat16, "
+        "model in bfloat16 (speculative/engine/cpu/int4_linear.py, CPU only); auto: int4 on a CPU with native "
+        "bfloat16, "
         "int8 on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
     )
     cpu_linear: CpuLinear = Field(
         default="torch",
         description="onednn: float32 Linear layers, and bfloat16 ones where oneDNN computes bfloat16 natively, "
-        "through oneDNN with weights prepacked at load (speculative/cpu_linear.py; CPU only): in float32 a forward "
+        "through oneDNN with weights prepacked at load (speculative/engine/cpu/onednn_linear.py; CPU only): in "
+        "float32 a forward "
         "of a few tokens costs far less than with MKL's sgemm on AMD CPUs; in bfloat16 every forward skips the "
         "weight reorder torch's Linear does per call (the same bits). Other dtypes keep torch's kernels.",
     )
@@ -240,7 +242,8 @@ class RouterConfig(BaseModel):
     round_ahead: bool = Field(
         default=True,
         description="While the target verifies a round, the draft pool drafts the next one from the continuation "
-        "it expects (speculative/ahead.py); a verdict that matches starts the next verify at once. Applies while "
+        "it expects (speculative/planning/ahead.py); a verdict that matches starts the next verify at once. Applies "
+        "while "
         "a lane has one micro-batch group in flight (with two, ping-pong already keeps both pools busy).",
     )
     ahead_alternatives: int = Field(

@@ -23,8 +23,8 @@ from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.wire import Drafted, DraftInfo, Stopwatch, WireProposal
 from speculative.drafters.base import Drafter, DraftRequest, empty_proposal
 from speculative.drafters.config import build_drafter
-from speculative.kv_budget import kv_budget_tokens, max_model_len
-from speculative.kv_cache import preallocated
+from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
+from speculative.engine.kv_cache import preallocated
 
 
 class DraftWorker:

@@ -2,9 +2,9 @@
 
 Workers keep a separate cache owner (a `TargetVerifier` or a drafter, each with its own
 `ModelRunner` over the one shared model) per group key `"<router>/<lane>/<group>"`. A runner's
-forward and commit act on all of its rows at once (`speculative/runner.py`), so each ping-pong half
+forward and commit act on all of its rows at once (`speculative/engine/runner.py`), so each ping-pong half
 has a runner of its own and a verify or a draft of one half never carries the other half's rows.
-(Forwards are packed, `speculative/packing.py`: a row costs compute only for the tokens it adds.)
+(Forwards are packed, `speculative/engine/packing.py`: a row costs compute only for the tokens it adds.)
 Keys also keep router replicas apart (caches keyed by router replica and sequence: docs/design.md,
 "Pools, placement, scaling").
 """

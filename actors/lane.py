@@ -38,12 +38,12 @@ from actors.pools import Pool, replica_lost, verify_failure
 from actors.records import Live, StepRecord, bare_proposal, usage, with_logprobs
 from actors.round_ahead import RoundAhead, Settled
 from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
-from speculative.costs import Planned, StepCosts
 from speculative.drafters.heads import NextTree, TreeDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.round import Speculation
-from speculative.sequence import Sequence
-from speculative.tree import TokenTree
+from speculative.planning.costs import Planned, StepCosts
+from speculative.planning.round import Speculation
+from speculative.planning.sequence import Sequence
+from speculative.rules.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from actors.config import ModelConfig
-from speculative.cpu_linear import packed
-from speculative.grammar import GrammarCompiler
-from speculative.loading import DTYPES, load_dtype, quantized, resolve_quantize
+from speculative.engine.loading import DTYPES, load_dtype, resolve_quantize, with_kernels
+from speculative.rules.grammar import GrammarCompiler
 
-Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (deploy.models.resolve)
+Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (modelstore.resolve)
 
 
 def identity(path: str) -> str:
@@ -28,7 +27,7 @@ def load_lm(config: ModelConfig, resolve: Resolver = identity) -> PreTrainedMode
     dtype = DTYPES[load_dtype(config.dtype, quantize, config.device)]  # int8 kernels take float32, int4 bfloat16
     model = AutoModelForCausalLM.from_pretrained(resolve(config.path), dtype=dtype, attn_implementation="sdpa")
     torch.nn.Module.to(model, torch.device(config.device))  # in place; transformers types .to oddly
-    return packed(quantized(model.eval(), quantize), config.cpu_linear)
+    return with_kernels(model.eval(), quantize, config.cpu_linear)
 
 
 def vocab_size_of(path: str, resolve: Resolver = identity) -> int:

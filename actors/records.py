@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.wire import WireProposal, Work
-from speculative.sequence import Sequence
-from speculative.tree import TokenTree
+from speculative.planning.sequence import Sequence
+from speculative.rules.tree import TokenTree
 
 
 @dataclass(eq=False)

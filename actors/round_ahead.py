@@ -1,4 +1,4 @@
-"""Round ahead in a lane (`speculative/ahead.py`): the next round's drafts, made beside a verify.
+"""Round ahead in a lane (`speculative/planning/ahead.py`): the next round's drafts, made beside a verify.
 
 While a group is verified, the draft pool pre-drafts that group's next round from the continuation
 it expects, for a group of one sequence (at one stream nothing else would overlap). A sequence alone
@@ -30,10 +30,10 @@ from actors.draft_calls import DraftCalls, draft_work
 from actors.metrics import RouterMetrics
 from actors.records import Live, bare_proposal
 from actors.wire import Drafted, WireProposal, Work
-from speculative.ahead import ahead_request, assumed_path, take_ahead
 from speculative.drafters.base import Proposal
-from speculative.load_control import QUOTE_RUN
-from speculative.round import Speculation
+from speculative.planning.ahead import ahead_request, assumed_path, take_ahead
+from speculative.planning.load_control import QUOTE_RUN
+from speculative.planning.round import Speculation
 
 
 @dataclass

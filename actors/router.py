@@ -33,9 +33,9 @@ from actors.metrics import RouterMetrics, mark_replica_up
 from actors.pools import Pool, ServePool
 from actors.records import Live, StepRecord
 from actors.wire import DraftInfo, Reserved, TargetInfo
-from speculative.costs import StepCosts
-from speculative.sampling import SamplingParams
-from speculative.sequence import Sequence
+from speculative.planning.costs import StepCosts
+from speculative.planning.sequence import Sequence
+from speculative.rules.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from actors.heap import freeze_heap
 from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
-from speculative.acceptance import Verdict
 from speculative.drafters.config import heads_factory, load_heads
 from speculative.drafters.heads import TreeHeads
-from speculative.kv_budget import kv_budget_tokens, max_model_len
-from speculative.kv_cache import preallocated
-from speculative.loading import eos_ids_of
-from speculative.runner import ModelRunner
+from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
+from speculative.engine.kv_cache import preallocated
+from speculative.engine.loading import eos_ids_of
+from speculative.engine.runner import ModelRunner
+from speculative.rules.acceptance import Verdict
 from speculative.target import TargetVerifier
 
 HEALTH_GROUP = "health"  # the actor's concurrency group for `ping` (RayShards declares it)

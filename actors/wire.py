@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.acceptance import Verdict
 from speculative.drafters.base import Proposal
-from speculative.sampling import SamplingParams
+from speculative.rules.acceptance import Verdict
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from speculative.target import VerifyItem
-from speculative.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class TargetInfo:
     eos_ids: frozenset[int]
     model: str
     max_model_len: int  # the model's own window (max_position_embeddings)
-    kv_budget_tokens: int  # KV tokens the replica holds over all its sequences (speculative/kv_budget.py)
+    kv_budget_tokens: int  # KV tokens the replica holds over all its sequences (speculative/engine/kv_budget.py)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.demo import app_block, stop_local_ray, wait_ready
+from deploy.local.demo import app_block, stop_local_ray, wait_ready
 
 REPO = str(Path(__file__).resolve().parents[1])  # the replicas' PYTHONPATH: they import this repository
 

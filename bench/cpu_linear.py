@@ -2,7 +2,7 @@
 
 One 1536x8960 Linear (a Qwen 1.5B MLP matrix), random weights, on `--threads` torch threads, timed at
 each row count with torch's bfloat16 and float32 kernels and with the weight prepacked for oneDNN
-(`speculative/cpu_linear.py`: float32, and bfloat16 where oneDNN computes it natively), all in one run.
+(`speculative/engine/cpu/onednn_linear.py`: float32, and bfloat16 where oneDNN computes it natively), all in one run.
 The matrix (27 MB in bfloat16) stays in a large last-level cache between calls, so these times show the
 kernels' own work, not a whole model's weight reads. A verify of k draft tokens is a forward of
 1 + k rows, a decode step one row: the ratio to the 1-row float32 call is what speculation pays.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bench import figures, report
-from speculative.cpu_linear import PackedLinear, native_bf16
+from speculative.engine.cpu.onednn_linear import PackedLinear, native_bf16
 
 NAME = "cpu_linear"
 BF16_PACKED = native_bf16("cpu")  # bfloat16 layers are `cpu_linear.packable` here

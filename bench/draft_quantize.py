@@ -2,10 +2,11 @@
 
 One process, the Qwen2.5-Coder pair of `deploy/local.yaml`, one torch thread (what a draft replica gets there).
 For each format the draft is loaded and run as a replica does (`actors.loading.load_lm`, `cpu_linear: onednn`,
-the runner's lean stack, `speculative/lean_stack.py`):
+the runner's lean stack, `speculative/engine/lean_stack.py`):
 - none: the draft in `dtype: auto` (bfloat16 where the CPU computes it natively, else float32);
 - int8: torch's dynamic int8 Linear on a float32 model;
-- int4: 4-bit weight groups for forwards of a few tokens, bfloat16 beyond (`speculative/int4_linear.py`), once
+- int4: 4-bit weight groups for forwards of a few tokens, bfloat16 beyond
+  (`speculative/engine/cpu/int4_linear.py`), once
   with each kernel: `vnni` (int8 activations, AVX-512 VNNI, one thread; what a replica picks where it runs) and
   `aten` (torch's weight-only kernel, bfloat16 activations),
 and timed on a forward of q = 1, 2, 5 chained tokens over a 96-token cache (a draft level, a small tree, a
@@ -30,12 +31,12 @@ from actors.loading import load_lm
 from bench import figures, report
 from bench.cpu_linear import seconds
 from bench.single_stream import PROMPTS
-from deploy.models import resolve
-from speculative import int4_vnni
-from speculative.cpu_linear import packed
-from speculative.int4_linear import Kernel, int4_quantized
-from speculative.loading import chat_ids, resolve_dtype, resolve_quantize
-from speculative.runner import ModelRunner, chain_parents
+from modelstore import resolve
+from speculative.engine.cpu import int4_vnni
+from speculative.engine.cpu.int4_linear import Kernel, int4_quantized
+from speculative.engine.cpu.onednn_linear import packed
+from speculative.engine.loading import chat_ids, resolve_dtype, resolve_quantize
+from speculative.engine.runner import ModelRunner, chain_parents
 
 NAME = "draft_quantize"
 FORMATS: tuple[tuple[Quantize, Kernel | None], ...] = (

@@ -49,8 +49,8 @@ from ray import serve
 
 from bench import apps, figures, report
 from bench.single_stream import PROMPTS
-from deploy.demo import DEFAULT_CONFIG
-from deploy.models import REGISTRY, fetch
+from deploy.local.demo import DEFAULT_CONFIG
+from modelstore import REGISTRY, fetch
 
 NAME = "load_sweep"
 DRAFTERS = {"off": "none", "draft": "model", "lookup": "lookup"}

@@ -34,10 +34,10 @@ from bench.gpu.forward_cost import ForwardAtContext, timed
 from bench.gpu.oracle import OracleDrafter
 from bench.gpu.random_models import build_model
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.base import Drafter
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 
 NAME = "overhead"

@@ -1,6 +1,6 @@
 """What padding would cost: a verify forward packed (the runner's) beside the same rows padded.
 
-The runner packs every row's new tokens into one row (`speculative/packing.py`). Before it did, a
+The runner packs every row's new tokens into one row (`speculative/engine/packing.py`). Before it did, a
 forward padded its rows to the longest: the same forward over B rows of max(lengths) tokens each,
 which this benchmark runs through the same runner to price it. Per batch size B it times, over a
 cache of `--context` tokens per row: plain decoding (B x 1), some rows drafting k tokens beside
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from bench import figures, report
-from deploy.models import fetch
-from speculative.loading import load_model
-from speculative.runner import ModelRunner, chain_parents
+from modelstore import fetch
+from speculative.engine.loading import load_model
+from speculative.engine.runner import ModelRunner, chain_parents
 
 NAME = "packing"
 RATIOS = (("packed_over_plain", "packed"), ("padded_over_plain", "padded"))  # (row key, plot label)

@@ -32,7 +32,7 @@ from ray import serve
 from bench import apps, figures, report
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.models import resolve
+from modelstore import resolve
 
 NAME = "pipelining"
 PROMPTS = [

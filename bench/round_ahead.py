@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import apps, figures, report
 from bench.single_stream import PROMPTS as SINGLE_STREAM_PROMPTS
-from deploy.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stop_local_ray, stream_chat
+from deploy.local.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stop_local_ray, stream_chat
 
 NAME = "round_ahead"
 PROMPTS = {

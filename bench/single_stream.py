@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from bench import figures, report
-from deploy.local import LocalModels
-from speculative.costs import StepCosts
-from speculative.depth import DepthConfig
+from deploy.local.decoder import LocalModels
 from speculative.drafters.config import DrafterConfig
-from speculative.sampling import SamplingParams
+from speculative.planning.costs import StepCosts
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 
 NAME = "single_stream"
 PROMPTS = {

@@ -1,7 +1,7 @@
 """The Serve application: router (ingress) -> draft pool + target pool, built from one `AppConfig`.
 
     serve run deploy/local.yaml             # or: serve run deploy.app:app_builder target_model=...
-    # gRPC: the YAML's top-level grpc_options name deploy.grpc_ingress.GRPC_SERVICER_FUNCTIONS
+    # gRPC: the YAML's top-level grpc_options name deploy.front.grpc_ingress.GRPC_SERVICER_FUNCTIONS
     serve deploy deploy/cluster.yaml        # on a running cluster (KubeRay: the same import path)
 
 Embedded (a laptop, a test): `serve.run(build_app(config))` after `ray.init()`.
@@ -23,7 +23,7 @@ from actors.router import Router
 from actors.target_replica import TargetReplica
 from deploy.config import AppConfig
 from deploy.ingress import Ingress
-from deploy.models import resolve
+from modelstore import resolve
 
 # Lane calls go to the lane's pinned replica (actors/affinity.py).
 _AFFINITY = {"request_router_class": f"{LaneAffinityRouter.__module__}.{LaneAffinityRouter.__name__}"}

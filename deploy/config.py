@@ -27,9 +27,9 @@ from actors.config import (
     TargetConfig,
 )
 from actors.scaling import BusyFractionPolicy
-from deploy.frontdoor import FrontDoorConfig
-from speculative.depth import DepthConfig
+from deploy.front.frontdoor import FrontDoorConfig
 from speculative.drafters.config import DrafterConfig
+from speculative.planning.depth import DepthConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -239,7 +239,7 @@ class AppConfig(BaseModel):
 
     model_config = _STRICT
 
-    target_model: str = Field(min_length=1, description="Registry short name (deploy/models.py), HF folder or hub id.")
+    target_model: str = Field(min_length=1, description="Registry short name (modelstore/), HF folder or hub id.")
     draft_model: str | None = Field(default=None, description="The draft model; None for drafters without one.")
     dtype: Dtype = Field(
         default="auto", description="Weights of both models; auto: bfloat16 where computed natively, else float32."

@@ -16,9 +16,9 @@ from typing import Any
 from actors.config import RouterConfig
 from actors.loading import Resolver, identity
 from actors.router import Router
-from deploy.frontdoor import FrontDoorConfig, load_front_door
-from deploy.grpc_ingress import GrpcIngress
-from deploy.http_ingress import OpenAIIngress
+from deploy.front.frontdoor import FrontDoorConfig, load_front_door
+from deploy.front.grpc_ingress import GrpcIngress
+from deploy.openai.http_ingress import OpenAIIngress
 
 
 class Ingress(OpenAIIngress, GrpcIngress, Router):

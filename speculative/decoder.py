@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from speculative.costs import StepCosts
-from speculative.depth import DepthConfig
 from speculative.drafters.base import Drafter, Proposal, empty_proposal
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.round import Drafting, Speculation
-from speculative.sampling import SamplingParams
-from speculative.sequence import Sequence
+from speculative.planning.costs import StepCosts
+from speculative.planning.depth import DepthConfig
+from speculative.planning.round import Drafting, Speculation
+from speculative.planning.sequence import Sequence
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier, VerifyItem
 
 

@@ -20,16 +20,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from speculative.acceptance import Verdict, follow_choices
 from speculative.drafters.base import Proposal
 from speculative.drafters.heads import HeadInput, NextTree, TreeHeads
-from speculative.grammar import GrammarCompiler
-from speculative.logprobs import token_logprobs
-from speculative.packing import row_offsets
-from speculative.processing import node_context
-from speculative.runner import ModelRunner, chain_parents
-from speculative.sampling import SamplingParams
-from speculative.verify import argmax_decides, verify_tree
+from speculative.engine.packing import row_offsets
+from speculative.engine.runner import ModelRunner, chain_parents
+from speculative.rules.acceptance import Verdict, follow_choices
+from speculative.rules.grammar import GrammarCompiler
+from speculative.rules.logprobs import token_logprobs
+from speculative.rules.processing import node_context
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.verify import argmax_decides, verify_tree
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.models import is_complete, model_dir
+from modelstore import is_complete, model_dir
 
 
 def fetched_dir(name: str) -> Path:

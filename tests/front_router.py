@@ -23,15 +23,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from actors.records import usage, with_logprobs
 from actors.router import Overloaded, collected
-from deploy.frontdoor import FrontDoor, FrontDoorConfig
-from deploy.grpc_ingress import GrpcIngress
-from deploy.http_ingress import OpenAIIngress
+from deploy.front.frontdoor import FrontDoor, FrontDoorConfig
+from deploy.front.grpc_ingress import GrpcIngress
+from deploy.openai.http_ingress import OpenAIIngress
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.grammar import GrammarCompiler
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.grammar import GrammarCompiler
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from tests.tiny_models import VOCAB, noisy_copy, tiny_model
 

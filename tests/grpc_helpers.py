@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from deploy.grpc_ingress import GrpcIngress, GrpcStatus
+from deploy.front.grpc_ingress import GrpcIngress, GrpcStatus
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ from functools import cache
 
 import llguidance
 
-from speculative.grammar import GrammarCompiler
+from speculative.rules.grammar import GrammarCompiler
 
 TOY_TOKENS = [b"a", b"b", b"c", b"ab", b"ba", b"bc", b"<end>"]
 TOY_END = 6

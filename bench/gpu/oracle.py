@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
-from speculative.rng import Stream, uniform
-from speculative.tree import TokenTree
+from speculative.rules.rng import Stream, uniform
+from speculative.rules.tree import TokenTree
 
 
 @dataclass

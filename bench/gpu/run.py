@@ -12,7 +12,7 @@ the rest still runs; results are written after every section, so a timeout still
 - draft: the 1B draft's forward cost and its real drafting cost D(k) in our decoder, and the
   bound a real 1B draft would reach at the oracle's acceptance rates;
 - batch: target alone vs oracle speculation at batch sizes B (throughput), through the runner's
-  slot KV cache (speculative/kv_cache.py) like every section;
+  slot KV cache (speculative/engine/kv_cache.py) like every section;
 - tp: NCCL tensor parallelism needs 2+ GPUs; skipped with a note on one.
 
     python -m bench.gpu --out DIR            # on a CUDA machine: bf16, the real shapes (~3-5 min)

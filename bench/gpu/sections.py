@@ -15,14 +15,14 @@ from transformers import PreTrainedModel
 
 from bench.gpu.forward_cost import forward_costs, sync
 from bench.gpu.oracle import OracleDrafter
-from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig, expected_tokens
 from speculative.drafters.base import Drafter, DraftRequest, Proposal
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
-from speculative.sequence import Sequence
+from speculative.engine.runner import ModelRunner
+from speculative.planning.costs import StepCosts
+from speculative.planning.depth import DepthConfig, expected_tokens
+from speculative.planning.sequence import Sequence
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 
 
@@ -215,7 +215,7 @@ def draft_cost(
 def batched(bench: Bench, sizes: list[int], acceptance: float, k: int, deadline: float) -> list[dict[str, Any]]:
     """Throughput of the target alone and of oracle speculation with B sequences in one batch, at a
     fixed depth k and with depths chosen by load (adaptive). Prompt lengths are mixed (a quarter to
-    all of prompt_len), so the joining prefill is packed beside the decodes (speculative/packing.py)."""
+    all of prompt_len), so the joining prefill is packed beside the decodes (speculative/engine/packing.py)."""
     rows = []
     for size in sizes:
         if time.monotonic() > deadline:

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
-from speculative.sampling import SamplingParams
-from speculative.tree import TokenTree
+from speculative.rules.proposal import Proposal
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class DraftRequest:
     budget: int  # most draft tokens along any path (speculation length); 0 = propose nothing
     params: SamplingParams
     prompt_len: int = 0  # how many of `tokens` are the prompt (output penalties, min_tokens)
-    # A pre-draft (speculative/ahead.py): the last `spine` of `tokens` are drafts assumed accepted, not
+    # A pre-draft (speculative/planning/ahead.py): the last `spine` of `tokens` are drafts assumed accepted, not
     # committed. The tree is then rooted at the last committed token, holds the spine as its first path,
     # drafts the guess of the bonus and `budget - 1` under it at the spine's end, and `alternatives`
     # more branches where the spine is likeliest cut (the draft's best other token there, `budget - 1`
@@ -47,14 +46,6 @@ class DraftRequest:
     def committed(self) -> tuple[int, ...]:
         """The tokens the target has committed: `tokens` without the spine."""
         return self.tokens[: len(self.tokens) - self.spine]
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A draft tree and, for sampled drafts, the exact draft distributions it was drawn from."""
-
-    tree: TokenTree
-    draft_probs: torch.Tensor | None = None  # [n+1, V]: row i = q the children of node i were sampled from
 
 
 class Drafter(Protocol):

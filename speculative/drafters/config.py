@@ -15,9 +15,9 @@ from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.medusa import DEFAULT_CHOICES, MedusaHeads, MedusaTrees, check_choices, load_medusa
 from speculative.drafters.model import DraftModelDrafter
-from speculative.grammar import GrammarCompiler
-from speculative.loading import eos_ids_of
-from speculative.runner import ModelRunner
+from speculative.engine.loading import eos_ids_of
+from speculative.engine.runner import ModelRunner
+from speculative.rules.grammar import GrammarCompiler
 
 
 class DrafterConfig(BaseModel):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculative.drafters.heads import HeadInput, read_state
-from speculative.tree import TokenTree
+from speculative.rules.tree import TokenTree
 
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")

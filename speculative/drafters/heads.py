@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
-from speculative.tree import TokenTree
+from speculative.rules.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, behind_spine, empty_proposal
-from speculative.tree import TokenTree
+from speculative.rules.tree import TokenTree
 
 MATCH_REACH = 16  # how far back before a match its context is compared (the most a run counts)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from speculative.drafters.heads import HeadInput, read_state
-from speculative.tree import TokenTree
+from speculative.rules.tree import TokenTree
 
 CONFIG = "config.json"
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")

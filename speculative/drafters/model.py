@@ -15,13 +15,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from speculative.drafters.base import DraftRequest, Proposal, empty_proposal
-from speculative.grammar import GrammarCompiler
-from speculative.packing import row_offsets
-from speculative.processing import node_context, processed, processes
-from speculative.rng import Stream, sample, uniform
-from speculative.runner import ModelRunner, chain_parents
-from speculative.sampling import probs_from_logits
-from speculative.tree import TokenTree
+from speculative.engine.packing import row_offsets
+from speculative.engine.runner import ModelRunner, chain_parents
+from speculative.rules.grammar import GrammarCompiler
+from speculative.rules.processing import node_context, processed, processes
+from speculative.rules.rng import Stream, sample, uniform
+from speculative.rules.sampling import probs_from_logits
+from speculative.rules.tree import TokenTree
 
 
 @dataclass

@@ -1,1 +1,4 @@
-"""Training draft heads (Medusa, EAGLE) for a target on its own outputs: `python -m speculative.train`."""
+"""Training draft heads (Medusa, EAGLE) for a target on its own outputs: `python -m speculative.train`.
+
+May import: anything in `speculative`.
+"""

@@ -24,7 +24,7 @@ import torch
 from speculative.drafters.config import heads_factory
 from speculative.drafters.eagle import save_eagle
 from speculative.drafters.medusa import save_medusa
-from speculative.loading import load_model
+from speculative.engine.loading import load_model
 from speculative.train import prompts
 from speculative.train.data import Corpus, build_corpus
 from speculative.train.evaluate import acceptance

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from speculative.loading import chat_ids
+from speculative.engine.loading import chat_ids
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.heads import TreeDrafter, TreeHeads
-from speculative.loading import LoadedModel, chat_ids
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.loading import LoadedModel, chat_ids
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 
 

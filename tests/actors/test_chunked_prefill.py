@@ -20,10 +20,10 @@ from actors.router import Router
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from speculative.drafters.base import Proposal
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from speculative.target import TargetVerifier, VerifyItem
-from speculative.tree import TokenTree
 from tests.actors.conftest import VOCAB, TinyPair, _cached_model, hf_greedy, prompts_and_lengths
 
 CHUNK = 16

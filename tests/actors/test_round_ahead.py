@@ -15,14 +15,14 @@ from actors.records import Live
 from actors.round_ahead import PreDraft, RoundAhead, Settled
 from actors.router import Router
 from actors.wire import Drafted, WireProposal, Work
-from speculative.depth import DepthConfig
 from speculative.drafters.base import Proposal
 from speculative.drafters.config import DrafterConfig
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.round import Speculation
-from speculative.sampling import SamplingParams
-from speculative.sequence import Sequence
-from speculative.tree import TokenTree
+from speculative.planning.depth import DepthConfig
+from speculative.planning.round import Speculation
+from speculative.planning.sequence import Sequence
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
 from tests.actors.test_router_local import make_router, run_all
 

@@ -16,9 +16,9 @@ from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from actors.wire import WireProposal, WireVerifyItem, Work
 from speculative.drafters.config import DrafterConfig
-from speculative.load_control import QUOTE_RUN
-from speculative.sampling import SamplingParams
-from speculative.tree import TokenTree
+from speculative.planning.load_control import QUOTE_RUN
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
 
 

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from actors import tp
 from actors.config import ModelConfig
 from actors.loading import load_lm
-from speculative.runner import ModelRunner
-from speculative.tree import TokenTree
+from speculative.engine.runner import ModelRunner
+from speculative.rules.tree import TokenTree
 from tests.actors.conftest import TORCH_EXTENSIONS, TinyPair
 from tests.tiny_models import padded_forward
 

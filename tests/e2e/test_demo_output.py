@@ -1,4 +1,4 @@
-"""`make run`'s demo (`python -m deploy.cli serve`) prints the answer and its report, and nothing of Ray's.
+"""`make run`'s demo (`python -m deploy.local.cli serve`) prints the answer and its report, and nothing of Ray's.
 
 Run as a user runs it, in its own process, on deploy/smoke.yaml (SmolLM2-135M, prompt lookup: the
 quickest real deployment); only its ports are moved. Ray reports an actor killed mid-call (Serve's
@@ -25,7 +25,7 @@ def test_the_demo_prints_its_answer_and_report_and_no_ray_lines(tmp_path: Path) 
     config["grpc_options"]["port"] = free_port()
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "deploy.cli", "serve", "--config", str(path), "--max-tokens", "16"]
+    command = [sys.executable, "-m", "deploy.local.cli", "serve", "--config", str(path), "--max-tokens", "16"]
     command += ["--port", str(free_port()), "--metrics-port", str(free_port())]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -25,7 +25,7 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import free_port, local_ray, merged, run_app, small_cpu_args

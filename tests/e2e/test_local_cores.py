@@ -13,8 +13,8 @@ import pytest
 from ray import serve
 
 from actors.cpu_cores import usable_cores
-from deploy.demo import deploy_local, start_local_ray, stop_local_ray
-from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from deploy.front.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from deploy.local.demo import deploy_local, start_local_ray, stop_local_ray
 from tests.actors.conftest import hf_greedy
 from tests.actors.serve_helpers import APP, REPO, free_port, merged, small_cpu_args
 from tests.front_router import MODEL_NAME, save_tiny_pair

@@ -1,4 +1,4 @@
-"""The local run's Prometheus endpoint, scraped: Ray started as `make run` starts it (deploy/demo.py,
+"""The local run's Prometheus endpoint, scraped: Ray started as `make run` starts it (deploy/local/demo.py,
 with its metrics export port), the application of tiny models deployed as `make run` deploys it, one
 greedy request. Every Grafana panel's query then names metrics the endpoint shows, and vLLM's
 acceptance-length query on the scraped counters equals the request's own 1 + accepted / drafts."""
@@ -14,8 +14,8 @@ import pytest
 import ray
 from ray import serve
 
-from deploy.demo import deploy_local, start_local_ray
-from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from deploy.front.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from deploy.local.demo import deploy_local, start_local_ray
 from tests.actors.serve_helpers import APP, REPO, free_port, merged, small_cpu_args
 from tests.front_router import MODEL_NAME, save_tiny_pair
 from tests.prometheus import Sample, evaluate_on_totals, panel_queries, query_metrics, samples, total

@@ -17,7 +17,7 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from speculative.cpu_linear import packed
+from speculative.engine.cpu.onednn_linear import packed
 from tests.actors.serve_helpers import deploy_yaml, free_port, local_ray, run_app
 from tests.fetched import fetched_dir
 

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.acceptance import Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
-from speculative.rng import KeyedDraws, Stream, sample
-from speculative.sampling import SamplingParams, probs_from_logits
-from speculative.tree import TokenTree
+from speculative.rules.acceptance import Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
+from speculative.rules.rng import KeyedDraws, Stream, sample
+from speculative.rules.sampling import SamplingParams, probs_from_logits
+from speculative.rules.tree import TokenTree
 
 V = 8  # a small vocabulary: drafted tokens often match the target's choice
 SETTINGS = settings(max_examples=300, deadline=None)

@@ -26,9 +26,9 @@ from actors.draft_worker import DraftWorker
 from actors.pools import LocalPool
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
-from deploy.frontdoor import FrontDoorConfig
+from deploy.front.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
-from deploy.openai_api import ChatCompletionRequest, CompletionRequest
+from deploy.openai.api import ChatCompletionRequest, CompletionRequest
 from tests.front_router import MODEL_NAME, save_tiny_pair, serve_in_thread
 
 pytestmark = pytest.mark.slow  # ~40 s: hundreds of requests through the real router

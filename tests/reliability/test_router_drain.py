@@ -6,7 +6,7 @@
   complete with the target's tokens and long ones (far longer than Serve's default 20 s drain)
   end with that event, then `data: [DONE]`.
 - Killed (`ray.kill` of the replica, as a crash or a lost node would): the router can say nothing,
-  so the proxy's `deploy.proxy_guard.StreamGuard` (installed through Serve's
+  so the proxy's `deploy.front.proxy_guard.StreamGuard` (installed through Serve's
   RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) ends each cut-off SSE body with a `stream_cut_off`
   error event and `data: [DONE]`; a gRPC stream ends with an error status from Serve's proxy.
 """
@@ -30,8 +30,8 @@ from transformers import PreTrainedModel
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
-from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import APP, REPO, free_port, local_ray, replicas, run_app, wait_until

@@ -35,15 +35,15 @@ import pytest
 import torch
 from scipy import stats
 
-from speculative.acceptance import Draw, Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
 from speculative.drafters.base import Proposal
 from speculative.drafters.eagle import confidence_tree
 from speculative.drafters.medusa import check_choices, choices_tree
-from speculative.processing import NodeContext, processed
-from speculative.rng import Stream, sample, uniform
-from speculative.sampling import GrammarSpec, SamplingParams, probs_from_logits
-from speculative.tree import TokenTree
-from speculative.verify import verify_tree
+from speculative.rules.acceptance import Draw, Verdict, accept_by_rejection, accept_by_target_sample, accept_greedy
+from speculative.rules.processing import NodeContext, processed
+from speculative.rules.rng import Stream, sample, uniform
+from speculative.rules.sampling import GrammarSpec, SamplingParams, probs_from_logits
+from speculative.rules.tree import TokenTree
+from speculative.rules.verify import verify_tree
 from tests.toy_grammar import TOY_END, toy_grammars
 
 V = 7
@@ -63,7 +63,7 @@ SETTINGS = {
     "topp0.8": SamplingParams(top_p=0.8),
     "t1.3-k4-p0.9": SamplingParams(temperature=1.3, top_k=4, top_p=0.9),
     "penalty1.5": SamplingParams(repetition_penalty=1.5),
-    # the other logits processors (speculative/processing.py) and min-p, on p and q alike
+    # the other logits processors (speculative/rules/processing.py) and min-p, on p and q alike
     "presence-frequency": SamplingParams(presence_penalty=0.8, frequency_penalty=0.5),
     "bias-minp": SamplingParams(logit_bias=((1, 2.0), (4, -3.0)), min_p=0.1),
     "min-tokens": SamplingParams(min_tokens=1, stop_token_ids=(3,)),  # token 3 banned as the first token only

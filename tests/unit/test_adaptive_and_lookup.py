@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.depth import Acceptance, DepthConfig, best_depth, depth_cap, expected_tokens, own_depth
 from speculative.drafters.base import DraftRequest
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_continuation, lookup_match, run_class
-from speculative.sampling import SamplingParams
-from speculative.tree import TokenTree
+from speculative.planning.depth import Acceptance, DepthConfig, best_depth, depth_cap, expected_tokens, own_depth
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 
 
 def test_expected_tokens_formula():

@@ -1,4 +1,4 @@
-"""Pre-drafts with a spine (speculative/ahead.py): the tree a draft model makes round ahead, and the
+"""Pre-drafts with a spine (speculative/planning/ahead.py): the tree a draft model makes round ahead, and the
 proposal a verdict takes from it.
 
 A branch of a pre-draft must be exactly the draft a fresh drafter makes from the prefix the verdict
@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.ahead import ahead_request, take_ahead
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.model import DraftModelDrafter
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
-from speculative.tree import TokenTree
+from speculative.engine.runner import ModelRunner
+from speculative.planning.ahead import ahead_request, take_ahead
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from tests.tiny_models import VOCAB, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from actors.config import ModelConfig, TargetConfig
-from speculative.cpu_linear import PackedLinear, packed
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.loading import native_bf16, quantized
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.cpu.onednn_linear import PackedLinear, packed
+from speculative.engine.loading import native_bf16, quantized
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from tests.tiny_models import VOCAB, full_logits, noisy_copy, reference_greedy, tiny_model
 

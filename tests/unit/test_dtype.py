@@ -15,9 +15,9 @@ import torch
 from actors.config import ModelConfig
 from actors.loading import load_lm
 from deploy.config import AppConfig
-from deploy.demo import DEFAULT_CONFIG, app_block
-from speculative import loading
-from speculative.loading import resolve_dtype
+from deploy.local.demo import DEFAULT_CONFIG, app_block
+from speculative.engine import loading
+from speculative.engine.loading import resolve_dtype
 from tests.front_router import save_tiny_pair
 
 

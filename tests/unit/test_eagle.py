@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.eagle import EagleModel, EagleShape, EagleTrees, confidence_tree, load_eagle, save_eagle
 from speculative.drafters.heads import TreeDrafter
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from tests.tiny_models import eagle_for, joined_mid_stream, reference_greedy, tiny_model
 

@@ -28,11 +28,11 @@ from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from deploy.app import build_app
 from deploy.config import DRAIN_MARGIN_S, AppConfig
-from deploy.frontdoor import FrontDoorConfig
+from deploy.front.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
 from proto import specserve_pb2 as pb
-from speculative.int4_linear import Int4Linear
-from speculative.loading import native_bf16
+from speculative.engine.cpu.int4_linear import Int4Linear
+from speculative.engine.loading import native_bf16
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
 

@@ -1,4 +1,4 @@
-"""speculative/grammar.py over the toy tokenizer: node masks, per-sequence state, end tokens, errors.
+"""speculative/rules/grammar.py over the toy tokenizer: node masks, per-sequence state, end tokens, errors.
 
 Grammar (a|bc|cb|ba)+c? over the tokens "a" 0, "b" 1, "c" 2, "ab" 3, "ba" 4, "bc" 5, end 6.
 """
@@ -9,10 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from speculative.grammar import GrammarCompiler, GrammarError, grammar_error
-from speculative.processing import NodeContext, node_context, processed, processes
-from speculative.sampling import GrammarSpec, SamplingParams
-from speculative.verify import argmax_decides
+from speculative.rules.grammar import GrammarCompiler, GrammarError, grammar_error
+from speculative.rules.processing import NodeContext, node_context, processed, processes
+from speculative.rules.sampling import GrammarSpec, SamplingParams
+from speculative.rules.verify import argmax_decides
 from tests.toy_grammar import TOY_END, toy_tokenizer
 
 V = 7

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.grammar import GrammarCompiler
-from speculative.loading import LoadedModel, load_model
-from speculative.runner import ModelRunner
-from speculative.sampling import GrammarSpec, SamplingParams
+from speculative.engine.loading import LoadedModel, load_model
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.grammar import GrammarCompiler
+from speculative.rules.sampling import GrammarSpec, SamplingParams
 from speculative.target import TargetVerifier
 from tests.fetched import fetched_dir
 from tests.tiny_models import noisy_copy

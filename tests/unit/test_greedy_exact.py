@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 
-from speculative.costs import StepCosts
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_match
-from speculative.load_control import QUOTE_RUN
-from speculative.loading import quantized
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.loading import quantized
+from speculative.engine.runner import ModelRunner
+from speculative.planning.costs import StepCosts
+from speculative.planning.depth import DepthConfig
+from speculative.planning.load_control import QUOTE_RUN
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from tests.tiny_models import ARCHS, VOCAB, joined_mid_stream, noisy_copy, reference_greedy, tiny_model
 

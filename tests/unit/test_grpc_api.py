@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from deploy.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, tiny_pair, tiny_tokenizer

@@ -1,4 +1,5 @@
-"""`draft_quantize: int4` (speculative/int4_linear.py): the 4-bit draft layers compute with the weights they hold."""
+"""`draft_quantize: int4` (speculative/engine/cpu/int4_linear.py): the 4-bit draft layers compute with the
+weights they hold."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculative import int4_vnni
-from speculative.int4_linear import GROUP, MAX_ROWS, Int4Linear, Kernel, int4_quantized
-from speculative.loading import load_dtype, native_bf16, quantized, resolve_quantize
+from speculative.engine.cpu import int4_vnni
+from speculative.engine.cpu.int4_linear import GROUP, MAX_ROWS, Int4Linear, Kernel, int4_quantized
+from speculative.engine.loading import load_dtype, native_bf16, quantized, resolve_quantize
 from tests.tiny_models import tiny_model
 
 

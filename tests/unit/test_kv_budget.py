@@ -9,8 +9,8 @@ import torch
 from transformers import GPT2Config, Qwen2Config
 
 from actors.admission import ContextWindow, KvLedger
-from speculative import kv_budget
-from speculative.kv_budget import kv_budget_tokens, kv_bytes_per_token, max_model_len
+from speculative.engine import kv_budget
+from speculative.engine.kv_budget import kv_budget_tokens, kv_bytes_per_token, max_model_len
 
 # Qwen2.5-1.5B's shape (its config.json): 28 layers, 12 query heads over 1,536 dims, 2 KV heads.
 QWEN_15B = Qwen2Config(num_hidden_layers=28, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2)

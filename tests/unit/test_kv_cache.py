@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.kv_cache import BUCKET, SlotCache
-from speculative.runner import ModelRunner, chain_parents
+from speculative.engine.kv_cache import BUCKET, SlotCache
+from speculative.engine.runner import ModelRunner, chain_parents
 from tests.tiny_models import ARCHS, full_logits, padded_forward, tiny_model
 
 

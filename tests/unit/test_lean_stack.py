@@ -1,13 +1,13 @@
-"""The lean stack (`speculative/lean_stack.py`) computes what the model's own stack computes, bit for bit."""
+"""The lean stack (`speculative/engine/lean_stack.py`) computes what the model's own stack computes, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from speculative.lean_stack import lean_stack
-from speculative.runner import ModelRunner, chain_parents
-from speculative.tree import TokenTree
+from speculative.engine.lean_stack import lean_stack
+from speculative.engine.runner import ModelRunner, chain_parents
+from speculative.rules.tree import TokenTree
 from tests.tiny_models import padded_forward, tiny_config, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [1, 2, 3, 4, 5]]

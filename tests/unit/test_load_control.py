@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from speculative.costs import StepCosts, catch_up
-from speculative.depth import DepthConfig, own_depth
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.load_control import choose_depths as choose_planned
-from speculative.load_control import plan_depths, record_plan
-from speculative.round import Speculation
-from speculative.sampling import SamplingParams
-from speculative.sequence import Sequence
-from speculative.tree import TokenTree
+from speculative.planning.costs import StepCosts, catch_up
+from speculative.planning.depth import DepthConfig, own_depth
+from speculative.planning.load_control import choose_depths as choose_planned
+from speculative.planning.load_control import plan_depths, record_plan
+from speculative.planning.round import Speculation
+from speculative.planning.sequence import Sequence
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 
 CONFIG = DepthConfig()
 FREE = DepthConfig(draft_cost=0.0)  # a sequence's own rule drafts as deep as allowed (prompt lookup's)

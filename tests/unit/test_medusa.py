@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import save_file
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.base import DraftRequest
 from speculative.drafters.heads import HeadInput, NextTree, TreeDrafter, cut
 from speculative.drafters.medusa import (
@@ -19,10 +18,11 @@ from speculative.drafters.medusa import (
     load_medusa,
     save_medusa,
 )
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from speculative.target import TargetVerifier
-from speculative.tree import TokenTree
 from tests.tiny_models import VOCAB, heads_for, joined_mid_stream, reference_greedy, tiny_model
 
 NEW = 24

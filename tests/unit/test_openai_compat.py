@@ -19,8 +19,8 @@ import pytest
 import requests
 from pydantic import ValidationError
 
-from deploy.frontdoor import FrontDoorConfig
-from deploy.unknown_fields import IGNORED_HEADER
+from deploy.front.frontdoor import FrontDoorConfig
+from deploy.openai.unknown_fields import IGNORED_HEADER
 from tests.front_router import (
     CHAT_TEMPLATE,
     MODEL_NAME,
@@ -210,7 +210,7 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, tokenize
 def test_unknown_fields_are_ignored_by_default_and_named(
     client: openai.OpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="deploy.unknown_fields")
+    caplog.set_level(logging.WARNING, logger="deploy.openai.unknown_fields")
     messages = [{"role": "user", "content": [{"type": "text", "text": "hello there !", "cache": 1}], "mood": "ok"}]
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0, extra_body={"foo": 1, "store": True}

@@ -6,10 +6,10 @@ import pytest
 
 from bench.gpu.oracle import OracleDrafter
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.base import DraftRequest
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from tests.tiny_models import VOCAB, tiny_model
 

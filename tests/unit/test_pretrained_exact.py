@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.config import DrafterConfig, build_drafter
-from speculative.loading import LoadedModel, load_model
-from speculative.runner import ModelRunner
+from speculative.engine.loading import LoadedModel, load_model
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
 from speculative.target import TargetVerifier
 from tests.fetched import fetched_dir
 
@@ -53,7 +53,7 @@ def check_exact(
     prompts: list[list[int]],
     drafters: tuple[str, ...] = tuple(DRAFTERS),
 ) -> dict[str, float]:
-    from speculative.sampling import SamplingParams
+    from speculative.rules.sampling import SamplingParams
 
     refs = [reference(target, p, new_tokens) for p in prompts]
     acceptance = {}

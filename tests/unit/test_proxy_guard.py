@@ -1,4 +1,4 @@
-"""`deploy.proxy_guard.StreamGuard` over plain ASGI apps: a cut-off event stream ends with an error event and
+"""`deploy.front.proxy_guard.StreamGuard` over plain ASGI apps: a cut-off event stream ends with an error event and
 `[DONE]`; finished streams and other responses pass untouched. (Through Serve's proxy, with a router replica
 killed mid-stream: tests/reliability/test_router_drain.py.)"""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from deploy.proxy_guard import StreamGuard, middlewares
+from deploy.front.proxy_guard import StreamGuard, middlewares
 
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 

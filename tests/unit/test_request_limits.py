@@ -25,8 +25,16 @@ import pytest
 import requests
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from deploy import grpc_ingress, openai_api
-from deploy.frontdoor import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, FrontDoor, FrontDoorConfig, RequestError
+from deploy.front import grpc_ingress
+from deploy.front.frontdoor import (
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    FrontDoor,
+    FrontDoorConfig,
+    RequestError,
+)
+from deploy.openai import api as openai_api
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.fetched import fetched_dir

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from speculative.rng import KeyedDraws, Stream, sample, uniform
+from speculative.rules.rng import KeyedDraws, Stream, sample, uniform
 
 N = 100_000
 ALPHA = 1e-4  # each statistical assertion fails falsely with probability 1e-4; seeds are fixed

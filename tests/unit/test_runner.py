@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative import packing
-from speculative.batching import ragged_groups
 from speculative.drafters.base import Proposal
-from speculative.runner import ModelRunner, chain_parents
-from speculative.sampling import SamplingParams
+from speculative.engine import packing
+from speculative.engine.batching import ragged_groups
+from speculative.engine.runner import ModelRunner, chain_parents
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.tree import TokenTree
 from speculative.target import TargetVerifier, VerifyItem
-from speculative.tree import TokenTree
 from tests.tiny_models import ARCHS, full_logits, padded_forward, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [1, 2, 3, 4, 5]]

@@ -16,7 +16,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from speculative.sampling import SamplingParams, apply_repetition_penalty, context_seen, probs_from_logits
+from speculative.rules.sampling import SamplingParams, apply_repetition_penalty, context_seen, probs_from_logits
 
 ROWS, VOCAB, CONTEXT = 16, 50, 12
 

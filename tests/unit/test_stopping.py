@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 from transformers import AutoTokenizer
 
-from speculative.sampling import SamplingParams
-from speculative.stopping import StopCheck, check_stop
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.stopping import StopCheck, check_stop
 from tests.fetched import fetched_dir
 
 TEXT = (

@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from speculative.grammar import GrammarCompiler
+from speculative.rules.grammar import GrammarCompiler
 from tests.fetched import fetched_dir
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, serve_in_thread
 from tests.tiny_models import noisy_copy

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.depth import DepthConfig
 from speculative.drafters.config import heads_factory
 from speculative.drafters.eagle import load_eagle, save_eagle
 from speculative.drafters.heads import TreeDrafter
 from speculative.drafters.medusa import load_medusa, save_medusa
-from speculative.runner import ModelRunner
-from speculative.sampling import SamplingParams
+from speculative.engine.runner import ModelRunner
+from speculative.planning.depth import DepthConfig
+from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from speculative.train.data import Corpus, observe
 from speculative.train.fit import eagle_shape, fit_eagle, fit_medusa

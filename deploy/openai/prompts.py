@@ -1,0 +1,139 @@
+"""The prompt of an OpenAI request as token ids: a completions prompt (one of a batch) or a chat conversation.
+
+Client text is text: control-token text in a prompt or a message is tokenized as the characters it
+is (deploy/front/prompts.py); only the chat template's own markers are control tokens. /v1/completions,
+/v1/chat/completions and /tokenize tokenize through these, so /tokenize shows the ids a request runs on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+from transformers import PreTrainedTokenizerBase
+
+from deploy.front.frontdoor import RequestError
+from deploy.front.prompts import ControlTextRefused, PromptTokenizer
+
+
+class Message(Protocol):
+    """What rendering reads of a chat message (`openai_api.ChatMessage`)."""
+
+    @property
+    def role(self) -> str: ...
+
+    def text(self) -> str: ...
+
+
+def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completions request: one (text or token ids), or each of a batch."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [cast(str | list[int], prompt)]
+    return cast(list[str | list[int]], list(prompt))
+
+
+def completion_prompt_param(prompt: str | list[int] | list[str] | list[list[int]], index: int) -> str:
+    """How errors name prompt `index`: `prompt`, or `prompt.[i]` within a batch of more than one."""
+    return "prompt" if len(completion_prompts(prompt)) == 1 else f"prompt.[{index}]"
+
+
+# Fill-in-the-middle markers, in the prefix-suffix-middle order the models were trained on: Qwen2.5-Coder
+# (and the Qwen2.5 tokenizers), then StarCoder / SantaCoder / DeepSeek-style models without the bars.
+FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+)
+
+
+def fim_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int, int] | None:
+    """The ids of the tokenizer's prefix, suffix and middle markers, or None when it has no complete set."""
+    vocab = tokenizer.get_vocab()
+    for names in FIM_MARKERS:
+        if all(name in vocab for name in names):
+            prefix, suffix, middle = (vocab[name] for name in names)
+            return prefix, suffix, middle
+    return None
+
+
+def completion_prompt_ids(
+    prompt: str | list[int] | list[str] | list[list[int]],
+    prompts: PromptTokenizer,
+    index: int = 0,
+    suffix: str | None = None,
+) -> list[int]:
+    """Prompt `index`'s ids: text is tokenized as the model's tokenizer does by default (BOS if it adds one),
+    control-token text in it as plain text (send token ids to place control tokens). With a `suffix`, the
+    fill-in-the-middle prompt `<prefix> prompt <suffix> suffix <middle>`: the model writes what goes between."""
+    one = completion_prompts(prompt)[index]
+    # A fill-in-the-middle prompt starts with its prefix marker, so no BOS within it.
+    ids = prompts.text(one, add_special_tokens=suffix is None) if isinstance(one, str) else list(one)
+    if not ids and suffix is None:
+        param = completion_prompt_param(prompt, index)
+        raise RequestError(f"{param}: must not be empty", param=param)
+    if suffix is None:
+        return ids
+    markers = fim_markers(prompts.tokenizer)
+    if markers is None:
+        names = " or ".join("/".join(m) for m in FIM_MARKERS)
+        raise RequestError(f"suffix: this model's tokenizer has no fill-in-the-middle tokens ({names})", "suffix")
+    before, after, middle = markers
+    return [before, *ids, after, *prompts.text(suffix, add_special_tokens=False), middle]
+
+
+def chat_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """A request's template variables (`enable_thinking`, ...); refused, naming it: a name that is no
+    template variable name, or that is an argument of the render itself or the template's `messages`."""
+    own = (set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}) | {"messages"}
+    for name in kwargs or {}:
+        if not name.isidentifier():
+            shown = repr(name) if len(name) <= 60 else repr(name[:57]) + "..."
+            message = f"chat_template_kwargs: {shown} is not a template variable name"
+            raise RequestError(message, param="chat_template_kwargs")
+        if name in own:
+            param = f"chat_template_kwargs.{name}"
+            raise RequestError(f"{param}: an argument of the template render, not a template variable", param=param)
+    return dict(kwargs or {})
+
+
+def chat_prompt_ids(
+    messages: Sequence[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: PromptTokenizer,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The conversation through the tokenizer's own chat template, with the assistant's turn opened
+    (`add_generation_prompt`) and `template_kwargs` as the template's variables.
+
+    Only the template's markers are control tokens: control-token text inside a message's content
+    is tokenized as plain text (deploy/front/prompts.py).
+    """
+    if tokenizer.chat_template is None:
+        raise RequestError("messages: this model has no chat template; use /v1/completions", param="messages")
+    # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    variables = template_kwargs or {}
+
+    def render(conversation: list[dict[str, str]]) -> str:
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **variables
+                )
+            )
+        except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation
+            raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
+
+    try:
+        ids = prompts.chat(turns, render)  # the template places BOS itself
+    except ControlTextRefused as e:
+        param = f"messages.[{e.index}].content"
+        raise RequestError(
+            f"{param}: holds the control token `{e.control}`, and this model's chat template changes message "
+            "text, so it cannot be kept as plain text",
+            param=param,
+        ) from None
+    if not ids:
+        raise RequestError("messages: the conversation renders to no tokens", param="messages")
+    return ids

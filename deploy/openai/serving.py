@@ -1,0 +1,281 @@
+"""A completions or chat request run on the router: its choices' sequences, and OpenAI's response of them.
+
+Every choice is a sequence of its own (deploy/openai/choices.py); they run side by side. Without
+`stream`, the response holds the choices in index order; with it, each choice's chunks go out as
+they come, carrying its index (chat: a first chunk with the role for each). `usage` sums the
+choices: the completion tokens of all, the prompt tokens once per prompt, and the acceptance
+length over all their target forwards. A choice that fails ends the request: before the first
+chunk as a status code, after it as an error event; the other choices' sequences are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.router import StreamTimeout
+from deploy.front.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error
+from deploy.openai.api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    Delta,
+    ErrorBody,
+    Usage,
+    new_id,
+)
+from deploy.openai.choices import Choice, OpenAIRequest, Plan, plan_request
+from deploy.openai.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from deploy.openai.unknown_fields import ignored_header
+
+logger = logging.getLogger(__name__)
+Stream = AsyncIterator[dict[str, Any]]
+T = TypeVar("T")
+
+
+async def serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], body: bytes) -> Response:
+    """The response to one POST /v1/completions or /v1/chat/completions body."""
+    info = await backend.info()
+    window = front.served_window(info)
+    plan = await front.off_loop(plan_request, front, cls, body, secrets.randbits(63), window)
+    headers = ignored_header(plan.ignored)
+    eos = frozenset(int(t) for t in info.get("eos_ids", ()))
+    detoks = {c.index: detokenizer(front, plan.request, c.sampling, eos) for c in plan.choices}
+    if plan.request.stream:
+        opened = await _open(backend, plan)
+        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_events(plan, front, detoks, opened), media_type="text/event-stream", headers=headers)
+    results = await _generate(backend, plan)
+    texts = [
+        c.echo + await front.detokenize(detoks[c.index], list(r["token_ids"]), r["finish_reason"])
+        for c, r in zip(plan.choices, results, strict=True)
+    ]
+    response = _full_response(plan, front.model_name, texts, results, token_text(front))
+    return JSONResponse(response.model_dump(mode="json"), headers=headers)
+
+
+def token_text(front: FrontDoor) -> TokenText:
+    """A token's own text for log probabilities (special tokens shown: they are what was emitted)."""
+    return lambda token: front.decode([token], skip_special_tokens=False)
+
+
+def logprobs_of(chat: bool, entries: list[dict[str, Any]] | None, text: TokenText, offset: int = 0) -> Any:
+    """A choice's (or a chunk's) `logprobs` in the endpoint's format; None when the request asked none."""
+    if entries is None:
+        return None
+    return chat_logprobs(entries, text) if chat else completion_logprobs(entries, text, offset)
+
+
+def detokenizer(front: FrontDoor, request: OpenAIRequest, sampling: dict[str, Any], eos: frozenset[int]) -> Detokenizer:
+    """A choice's text as the request asks for it: special tokens skipped or not, stop strings kept or cut."""
+    stop_ids = frozenset(sampling["stop_token_ids"]) | (frozenset() if sampling["ignore_eos"] else eos)
+    decode = functools.partial(front.decode, skip_special_tokens=request.skip_special_tokens is not False)
+    return Detokenizer(decode, tuple(sampling["stop"]), bool(request.include_stop_str_in_output), stop_ids)
+
+
+async def _admitted(choice: Choice, call: Awaitable[T]) -> T:
+    """`call`'s result; the router's refusal of the choice's input as a RequestError naming its field."""
+    try:
+        return await call
+    except Exception as e:
+        if (error := client_error(e, choice.prompt_param)) is None:
+            raise  # Overloaded -> 429 (its handler); anything else -> 500
+        raise error from e
+
+
+async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every call's result, run side by side; the first failure cancels the others (and is raised)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # done ones are left as they are
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _generate(backend: Backend, plan: Plan) -> list[dict[str, Any]]:
+    """Every choice run to completion."""
+    return await _all([_admitted(c, backend.generate(c.prompt_ids, c.sampling)) for c in plan.choices])
+
+
+async def _open(backend: Backend, plan: Plan) -> list[tuple[Choice, dict[str, Any], Stream]]:
+    """Each choice's stream with its first chunk: admission happens there, so its errors still get a status."""
+    streams = [backend.generate_stream(c.prompt_ids, c.sampling) for c in plan.choices]
+    try:
+        firsts = await _all([_admitted(c, anext(s)) for c, s in zip(plan.choices, streams, strict=True)])
+    except BaseException:
+        await _close_all(streams)  # the admitted ones' sequences are cancelled
+        raise
+    return list(zip(plan.choices, firsts, streams, strict=True))
+
+
+async def _merged(
+    opened: list[tuple[Choice, dict[str, Any], Stream]],
+) -> AsyncGenerator[tuple[Choice, dict[str, Any]], None]:
+    """Each choice's chunks, its first first, in the order they come; ends once every choice has finished."""
+    if len(opened) == 1:
+        choice, chunk, stream = opened[0]
+        yield choice, chunk
+        while chunk["finish_reason"] is None:
+            chunk = await anext(stream)
+            yield choice, chunk
+        return
+    queue: asyncio.Queue[tuple[Choice, dict[str, Any] | Exception]] = asyncio.Queue()
+
+    async def pump(choice: Choice, chunk: dict[str, Any], stream: Stream) -> None:
+        try:
+            queue.put_nowait((choice, chunk))
+            while chunk["finish_reason"] is None:
+                chunk = await anext(stream)
+                queue.put_nowait((choice, chunk))
+        except BaseException as e:  # the consumer must hear of it, or it waits for this choice forever
+            error = e if isinstance(e, Exception) else RuntimeError(f"choice {choice.index} was cancelled")
+            queue.put_nowait((choice, error))
+            raise
+
+    tasks = [asyncio.ensure_future(pump(*o)) for o in opened]
+    try:
+        running = len(tasks)
+        while running:
+            choice, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield choice, item
+            if item["finish_reason"] is not None:
+                running -= 1
+    finally:
+        for task in tasks:
+            task.cancel()  # before the streams close: a stream cannot close while a pump awaits it
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _full_response(
+    plan: Plan, model: str, texts: list[str], results: list[dict[str, Any]], text_of: TokenText
+) -> Completion | ChatCompletion:
+    usage = summed_usage(plan.choices, [r.get("usage") or {} for r in results])
+    pairs = list(zip(plan.choices, texts, results, strict=True))
+
+    def token_ids(result: dict[str, Any]) -> list[int] | None:
+        return list(result["token_ids"]) if plan.request.return_token_ids else None
+
+    if plan.chat:
+        rid, created = new_id("chatcmpl")
+        chats = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=text),
+                logprobs=logprobs_of(True, r.get("logprobs"), text_of),
+                finish_reason=r["finish_reason"],
+                token_ids=token_ids(r),
+            )
+            for c, text, r in pairs
+        ]
+        return ChatCompletion(id=rid, created=created, model=model, choices=chats, usage=usage)
+    rid, created = new_id("cmpl")
+    completions = [
+        CompletionChoice(
+            index=c.index,
+            text=text,
+            logprobs=logprobs_of(False, r.get("logprobs"), text_of, len(c.echo)),
+            finish_reason=r["finish_reason"],
+            token_ids=token_ids(r),
+        )
+        for c, text, r in pairs
+    ]
+    return Completion(id=rid, created=created, model=model, choices=completions, usage=usage)
+
+
+def summed_usage(choices: list[Choice], usages: list[dict[str, Any]]) -> Usage:
+    """The request's usage of its choices' (the router's usage dicts, in the choices' order)."""
+    if len(usages) == 1:
+        return Usage.from_router(usages[0])
+    prompts = {c.prompt_index: int(u.get("prompt_tokens", 0)) for c, u in zip(choices, usages, strict=True)}
+    steps, accepted = (sum(int(u.get(key, 0)) for u in usages) for key in ("steps", "accepted"))
+    return Usage.from_router(
+        {
+            "prompt_tokens": sum(prompts.values()),
+            "completion_tokens": sum(int(u.get("completion_tokens", 0)) for u in usages),
+            "drafted": sum(int(u.get("drafted", 0)) for u in usages),
+            "accepted": accepted,
+            "acceptance_length": (accepted + steps) / steps if steps else 0.0,
+        }
+    )
+
+
+async def _events(
+    plan: Plan,
+    front: FrontDoor,
+    detoks: dict[int, Detokenizer],
+    opened: list[tuple[Choice, dict[str, Any], Stream]],
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    request, chat = plan.request, plan.chat
+    rid, created = new_id("chatcmpl" if chat else "cmpl")
+    model = front.model_name
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+    def event(choices: list[Any], usage: Usage | None = None) -> str:
+        cls = ChatCompletionChunk if chat else Completion
+        return f"data: {cls(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()}\n\n"
+
+    def choice(
+        index: int, text: str | None, ids: list[int], reason: str | None, role: bool = False, logprobs: Any = None
+    ) -> Any:
+        token_ids = ids if request.return_token_ids else None
+        if chat:
+            delta = Delta(role="assistant" if role else None, content=text)
+            return ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
+        return CompletionChoice(
+            index=index, text=text or "", logprobs=logprobs, finish_reason=reason, token_ids=token_ids
+        )  # type: ignore[arg-type]
+
+    text_of = token_text(front)
+    offsets = {c.index: len(c.echo) for c in plan.choices}  # completions' text_offset of each choice's next token
+
+    usages: dict[int, dict[str, Any]] = {}
+    try:
+        for c in plan.choices:
+            if chat or c.echo:  # the role of each chat choice; the prompt of each echoed one
+                yield event([choice(c.index, c.echo, [], None, role=chat)])
+        async with contextlib.aclosing(_merged(opened)) as chunks:  # closed here: before the streams
+            async for c, chunk in chunks:
+                ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
+                text = await front.detokenize(detoks[c.index], ids, reason)
+                logprobs = logprobs_of(chat, chunk.get("logprobs"), text_of, offsets[c.index])
+                if logprobs is not None and not chat:
+                    offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
+                if text or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
+                    yield event([choice(c.index, text, ids, reason, logprobs=logprobs)])
+                if reason is not None:
+                    usages[c.index] = chunk.get("usage") or {}
+        if include_usage:
+            yield event([], summed_usage(plan.choices, [usages[c.index] for c in plan.choices]))
+    except Exception as e:  # the status line is sent: report in the stream, as OpenAI and vLLM do
+        logger.exception("stream failed")
+        code = "stream_timeout" if isinstance(e, StreamTimeout) else "internal_error"
+        error = RequestError(f"generation failed: {e}", status=500, type="server_error", code=code)
+        yield f"data: {ErrorBody.of(error).model_dump_json()}\n\n"
+    finally:
+        await _close_all([stream for _, _, stream in opened])  # on client disconnect too: the router cancels
+    yield "data: [DONE]\n\n"
+
+
+async def _close_all(streams: list[Stream]) -> None:
+    for stream in streams:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,92 @@
+"""The transformer stack of a Llama-family model (Llama, Qwen2) as plain tensor ops, for the draft model.
+
+A draft forward of a few tokens on a CPU core is short enough that the framework around its tensor ops
+shows: `transformers`' stack spends a few milliseconds per forward in module calls, keyword plumbing and
+norms written as eight ops. This stack runs the same weights through the same operations in the same
+order (the model's own Linear layers, rotary embedding and activation; `packing.packed_attention` over the
+runner's `SlotCache`), with a fused RMS norm, so its hidden states equal the model's bit for bit; it only
+calls less. Architectures or configurations it does not know (sliding windows, other norms) return None
+from `lean_stack`, and the runner keeps the model's own stack.
+
+Per layer, for T packed tokens of hidden size H:
+
+    h = norm(x);  q, k, v = proj(h);  q, k = rotary(q, k);  cache <- k, v
+    x = x + o(attention(q, cache));  x = x + down(act(gate(norm(x))) * up(norm(x)))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from speculative.engine.kv_cache import SlotCache
+from speculative.engine.packing import packed_attention
+
+KNOWN = ("LlamaModel", "Qwen2Model")  # base models whose decoder layers are the loop below
+
+
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:  # [T, H] -> [T, H]
+    """`LlamaRMSNorm` / `Qwen2RMSNorm`: normalized in float32, back to x's dtype, then scaled."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype) * norm.weight
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D]
+    """Rotary embedding as `apply_rotary_pos_emb` computes it (halves rotated, not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass(frozen=True)
+class LeanStack:
+    """`base(input_ids, position_ids, attention_mask, cache)` of a known base model, fewer calls."""
+
+    base: Any  # the model's `base_model` (its submodules are read by name, as `lean_stack` checked them)
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [T] the packed new tokens
+        positions: torch.Tensor,  # [T] their position ids
+        mask: torch.Tensor,  # the runner's packed mask (`Packing.mask`)
+        cache: SlotCache,
+    ) -> torch.Tensor:  # [T, H] the last hidden states, after the final norm
+        base = self.base
+        x = base.embed_tokens(tokens)  # [T, H]
+        t = x.shape[0]
+        cos, sin = base.rotary_emb(x[None], positions[None])  # [1, T, D] each
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: broadcast over heads
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            d = attn.head_dim
+            h = _rms_norm(x, layer.input_layernorm)
+            q = attn.q_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, heads, T, D]
+            k = attn.k_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, kv_heads, T, D]
+            v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
+            keys, values = cache.update(_rotated(k, cos, sin), v, i)  # [B, kv_heads, width, D] each
+            o, _ = packed_attention(attn, _rotated(q, cos, sin), keys, values, mask, dropout=0.0, scaling=attn.scaling)
+            x = x + attn.o_proj(o.reshape(t, -1))
+            h = _rms_norm(x, layer.post_attention_layernorm)
+            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return _rms_norm(x, base.norm)
+
+
+def lean_stack(base: torch.nn.Module) -> LeanStack | None:
+    """A `LeanStack` over `base` (a causal LM's `base_model`), or None where its layers are not the known
+    loop: another architecture, sliding-window layers, or parts named or shaped otherwise."""
+    stack: Any = base
+    if type(stack).__name__ not in KNOWN:
+        return None
+    config: Any = stack.config
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return None
+    for layer in stack.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "sliding_window", None) is not None:
+            return None
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(hasattr(n, "variance_epsilon") for n in norms) or any(p is None for p in parts):
+            return None
+    return LeanStack(stack) if hasattr(stack.norm, "variance_epsilon") else None

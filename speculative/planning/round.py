@@ -1,0 +1,135 @@
+"""One round of speculative decoding, the code the in-process decoder and the router's lanes share.
+
+    plan     depths from the one depth controller, recorded on the sequences; draft requests;
+             prompt lookup's drafts found here (they cost nothing to find)
+    propose  the rest by the drafter: the decoder calls it in-process, a lane awaits its draft pool;
+             `drafted` observes what that cost
+    verify   the target's batched forward: in-process, or awaited from the target pool
+    settle   costs observed, each verdict committed (acceptance evidence, output, stop)
+
+`Speculation` holds what the steps need (the depth config, the measured costs, the lookup) and
+nothing of the round in flight, so a lane can have two rounds in flight (ping-pong, round ahead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+from speculative.drafters.base import DraftRequest, Proposal
+from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
+from speculative.planning.costs import Planned, StepCosts, verify_tokens
+from speculative.planning.depth import DepthConfig, depth_cap
+from speculative.planning.load_control import Plan, plan_depths, record_plan
+from speculative.planning.sequence import Sequence
+from speculative.rules.logprobs import TokenLogprob
+from speculative.rules.tree import TokenTree
+
+
+class VerdictLike(Protocol):
+    """What settling reads of a verdict (`verify.Verdict` in-process, its wire form from the pool)."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...  # committed tokens; () while the prompt is still prefilling
+
+    @property
+    def accepted(self) -> tuple[int, ...]: ...  # the accepted draft nodes
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None: ...  # per token, when the request asks
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """A planned round's drafts: those lookup found here and the requests left for the drafter."""
+
+    plan: Plan
+    found: list[Proposal | None]  # [n] drafted by prompt lookup here; None: the drafter's
+    modelled: list[DraftRequest]  # [n] for the drafter (budget 0 where lookup drafted)
+
+    @property
+    def calls_drafter(self) -> bool:
+        return any(r.budget for r in self.modelled)
+
+
+@dataclass
+class Speculation:
+    """Plan, observe and settle rounds for one decoder or one router's lanes."""
+
+    config: DepthConfig
+    costs: StepCosts | None = None  # measured costs; None: unmeasured, depth by acceptance alone
+    drafts_sampled: bool = True  # the drafter samples under sampling: such sequences' depths ignore load
+    lookup: PromptLookupDrafter | None = None  # prompt lookup drafted here: the drafter, or quotes beside one
+    lookup_quotes: bool = False  # `lookup` sits beside a draft model and drafts only quoting sequences
+    eos_ids: frozenset[int] = frozenset()
+    decode: Callable[[list[int]], str] | None = None
+    free_drafts: bool = False  # drafts cost nothing to make (Medusa heads' guesses, made inside the verify)
+
+    def depths(
+        self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False, extra_levels: int = 0
+    ) -> Plan:
+        """The plan for `seqs` in a micro-batch of `batch` with `queued` verify calls waiting (pure);
+        `extra_levels`: draft forwards beyond the depth (a pre-draft's guess of the bonus token)."""
+        cap = depth_cap(self.config, batch, queued)
+        return plan_depths(
+            seqs,
+            self.config,
+            self.costs,
+            cap,
+            overlapped,
+            self.drafts_sampled,
+            self.lookup,
+            self.lookup_quotes,
+            extra_levels,
+            self.free_drafts,
+            depth_cap(self.config, batch, queued, quote=True),
+        )
+
+    def verify_seconds(self, seqs: Seq[Sequence], trees: Seq[TokenTree]) -> float | None:
+        """A verify's predicted seconds over `seqs` with these trees (None: none measured yet)."""
+        if self.costs is None:
+            return None
+        return self.costs.verify(verify_tokens(seqs, trees))
+
+    def plan(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Drafting:
+        """Plan this round, record it on the sequences, and draft what lookup finds."""
+        plan = self.depths(seqs, batch, queued, overlapped)
+        record_plan(seqs, plan, self.lookup_quotes)
+        requests = [
+            DraftRequest(s.seq_id, tuple(s.tokens), d, s.params, len(s.prompt))
+            for s, d in zip(seqs, plan.depths, strict=True)
+        ]
+        found, modelled = split_lookup(self.lookup, plan.runs, requests)
+        return Drafting(plan, found, modelled)
+
+    def drafted(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, planned: Planned | None) -> None:
+        """The drafter's call for these sequences took `seconds` as the round waited for it."""
+        if self.costs is not None:
+            self.costs.observe_draft(seqs, trees, seconds, planned)
+
+    def settle(
+        self,
+        seqs: Seq[Sequence],
+        trees: Seq[TokenTree],  # [n] the tree each sequence was verified with (a bare root: no draft)
+        verdicts: Seq[VerdictLike],
+        seconds: float,
+        planned: Planned | None,
+    ) -> list[list[int] | None]:
+        """Observe the verify and commit each verdict: per sequence its new tokens, None while prefilling.
+
+        A round carrying a chunk of a long prefill (a sequence with no tokens yet) is not a sample of
+        what a round costs, so it is not observed."""
+        if self.costs is not None and all(v.tokens for v in verdicts):
+            self.costs.observe_verify(seqs, trees, seconds, [len(v.accepted) for v in verdicts])
+            self.costs.observe_round(planned, sum(len(v.tokens) for v in verdicts))
+        out: list[list[int] | None] = []
+        for seq, tree, verdict in zip(seqs, trees, verdicts, strict=True):
+            if not verdict.tokens:  # still prefilling (chunked prefill): sent again next round
+                out.append(None)
+                continue
+            kept = len(verdict.accepted)
+            seq.acceptance.update(max(tree.depths), kept, self.config.memory)
+            out.append(seq.commit(tree, verdict.tokens, kept, self.eos_ids, self.decode, verdict.logprobs))
+        return out

@@ -1,0 +1,73 @@
+"""A sequence in flight: its tokens, sampling parameters, counters and acceptance evidence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from speculative.planning.depth import Acceptance
+from speculative.rules.logprobs import TokenLogprob
+from speculative.rules.sampling import SamplingParams
+from speculative.rules.stopping import check_stop
+from speculative.rules.tree import TokenTree
+
+
+@dataclass
+class SequenceStats:
+    steps: int = 0  # target forwards (verify steps) this sequence took part in
+    drafts: int = 0  # of them, steps with a draft of >= 1 token (vLLM's num_drafts)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    draft_synced: int = 0  # tokens the sequence had when it last drafted (the draft model's cache since)
+    drafted_at: int = -2  # `steps` when it last drafted
+    draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
+    lookup_run: int = 0  # prompt lookup: the `run_class` of its last planned draft's match (0: none)
+    lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per target step, bonus included."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_end: int | None = None
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts' decayed accept/reject evidence
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def commit(
+        self,
+        tree: TokenTree | None,
+        tokens: tuple[int, ...],
+        n_accepted: int,
+        eos_ids: frozenset[int],
+        decode: Callable[[list[int]], str] | None,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> list[int]:
+        """Record one verified step: stats, output (and `logprobs`, one per token) cut at a stop.
+        Returns the new tokens."""
+        drafted = tree.size if tree is not None else 0
+        self.stats.steps += 1
+        self.stats.drafts += int(drafted > 0)
+        self.stats.drafted += drafted
+        self.stats.accepted += n_accepted
+        before = len(self.output)
+        self.output += tokens
+        stop = check_stop(self.output, len(tokens), self.params, eos_ids, decode)
+        del self.output[stop.keep :]
+        if logprobs is not None:
+            self.logprobs += logprobs
+            del self.logprobs[stop.keep :]
+        self.finish_reason, self.text_end = stop.reason, stop.text_end
+        return self.output[before:]
