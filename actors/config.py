@@ -10,8 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from speculative.drafters.config import DrafterConfig
-from speculative.drafters.medusa import DEFAULT_CHOICES
+from speculative.drafters.config import DrafterConfig, ModelDrafterConfig
 from speculative.planning.depth import DepthConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -56,15 +55,12 @@ CpuCores = Annotated[
 ]
 
 
-class ModelConfig(BaseModel):
-    """Where a model comes from and how it is held in memory."""
+class ModelSettings(BaseModel):
+    """How a model is held in memory and computed: what the app's models share (`AppConfig` sets it once
+    for both, each `ModelConfig` carries it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str = Field(
-        min_length=1,
-        description="A registry short name of modelstore/ (qwen-1.5b, ...), a local HF folder or a hub id.",
-    )
     dtype: Dtype = Field(
         default="auto",
         description="auto: bfloat16 where the device computes it natively (CUDA; CPUs with AVX-512 BF16 or AMX), "
@@ -81,44 +77,49 @@ class ModelConfig(BaseModel):
         le=1024,
         description="torch.set_num_threads in the worker; None keeps Ray's OMP_NUM_THREADS.",
     )
+    cpu_linear: CpuLinear = Field(
+        default="torch",
+        description="onednn: float32 Linear layers, and bfloat16 ones where oneDNN computes bfloat16 natively, "
+        "through oneDNN with weights prepacked at load (speculative/engine/cpu/onednn_linear.py; CPU only; a "
+        "target with tp_size 1): in float32 a forward of a few tokens costs far less than with MKL's sgemm on AMD "
+        "CPUs; in bfloat16 every forward skips the weight reorder torch's Linear does per call (the same bits). "
+        "Other dtypes keep torch's kernels.",
+    )
+
+    @model_validator(mode="after")
+    def _onednn_on_cpu(self) -> ModelSettings:
+        if self.cpu_linear == "onednn" and self.device != "cpu":
+            raise ValueError("cpu_linear: 'onednn' is for device: cpu")
+        return self
+
+
+class ModelConfig(ModelSettings):
+    """Where a model comes from, and how it is held in memory."""
+
+    path: str = Field(
+        min_length=1,
+        description="A registry short name of modelstore/ (qwen-1.5b, ...), a local HF folder or a hub id.",
+    )
     quantize: Quantize = Field(
         default="none",
         description="int8: the Linear layers' weights in int8, quantized at load (torch's dynamic int8 "
         "kernels, CPU only), the rest in float32; int4: 4-bit weight groups for forwards of a few tokens, the "
         "model in bfloat16 (speculative/engine/cpu/int4_linear.py, CPU only); auto: int4 on a CPU with native "
-        "bfloat16, "
-        "int8 on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
-    )
-    cpu_linear: CpuLinear = Field(
-        default="torch",
-        description="onednn: float32 Linear layers, and bfloat16 ones where oneDNN computes bfloat16 natively, "
-        "through oneDNN with weights prepacked at load (speculative/engine/cpu/onednn_linear.py; CPU only): in "
-        "float32 a forward "
-        "of a few tokens costs far less than with MKL's sgemm on AMD CPUs; in bfloat16 every forward skips the "
-        "weight reorder torch's Linear does per call (the same bits). Other dtypes keep torch's kernels.",
+        "bfloat16, int8 on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
     )
 
     @model_validator(mode="after")
     def _quantize_on_cpu(self) -> ModelConfig:
         if self.quantize in CPU_QUANTIZE and self.device != "cpu":
             raise ValueError(f"quantize: {self.quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu")
-        if self.cpu_linear == "onednn" and self.device != "cpu":
-            raise ValueError("cpu_linear: 'onednn' is for device: cpu")
         return self
 
 
-class DraftWorkerConfig(BaseModel):
-    """One draft replica: a drafter per (router lane, micro-batch group) over one shared draft model."""
+class DraftWorkerSettings(BaseModel):
+    """A draft replica's own knobs: what the app's `draft_pool` sets for each of its replicas."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: ModelConfig | None = Field(
-        default=None, description="The draft model; None for drafters without one (lookup)."
-    )
-    target_model: str = Field(min_length=1, description="The target model (for its vocabulary size only).")
-    drafter: DrafterConfig = Field(
-        default_factory=lambda: DrafterConfig.model_validate({}), description="Proposal shape."
-    )
     idle_evict_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this long unused (a router died)."
     )
@@ -134,47 +135,23 @@ class DraftWorkerConfig(BaseModel):
     )
 
 
-class MedusaHeadsConfig(BaseModel):
-    """Medusa heads a target replica runs beside its model (speculative/drafters/medusa.py)."""
+class DraftWorkerConfig(DraftWorkerSettings):
+    """One draft replica: a drafter per (router lane, micro-batch group) over one shared draft model."""
+
+    model: ModelConfig | None = Field(
+        default=None, description="The draft model; None for drafters without one (lookup)."
+    )
+    target_model: str = Field(min_length=1, description="The target model (for its vocabulary size only).")
+    drafter: DrafterConfig = Field(
+        default_factory=ModelDrafterConfig, description="The drafter kind (one that needs a draft model, or lookup)."
+    )
+
+
+class TargetSettings(BaseModel):
+    """A target replica's own knobs: what the app's `target_pool` sets for each of its replicas."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str = Field(
-        min_length=1,
-        description="A folder in FasterDecoding/Medusa's layout: config.json and medusa_lm_head.safetensors (or .pt).",
-    )
-    top: int = Field(
-        default=4, ge=1, le=64, description="Best tokens kept per head after each verdict (the trees' widest rank + 1)."
-    )
-    choices: tuple[tuple[int, ...], ...] = Field(
-        default=DEFAULT_CHOICES,
-        description="The tree as Medusa choices (paths of top-k ranks, one per head), drafted after each verdict.",
-    )
-
-
-class EagleHeadConfig(BaseModel):
-    """An EAGLE head a target replica runs beside its model (speculative/drafters/eagle.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: str = Field(
-        min_length=1,
-        description="A folder in SafeAILab/EAGLE's layout: config.json and pytorch_model.bin (or safetensors).",
-    )
-    top_k: int = Field(default=4, ge=1, le=32, description="Nodes expanded per depth, children per expanded node.")
-    depth: int = Field(default=5, ge=1, le=16, description="Depths of the dynamic tree.")
-    nodes: int = Field(default=16, ge=1, le=256, description="The tree's best-scored nodes kept.")
-
-
-class TargetConfig(BaseModel):
-    """One target replica: `tp_size` shard actors holding one tensor-parallel copy of the target."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: ModelConfig = Field(description="The target model.")
-    tp_size: int = Field(
-        default=1, ge=1, le=64, description="Tensor-parallel degree: shard actors (and GPUs) per replica."
-    )
     torch_extensions_dir: str = Field(
         default="~/.cache/specserve/torch_extensions",
         description="TORCH_EXTENSIONS_DIR of the shards: DeepSpeed compiles its CPU shared-memory all-reduce "
@@ -202,20 +179,23 @@ class TargetConfig(BaseModel):
     shard_num_gpus: float = Field(
         default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."
     )
+
+
+class TargetConfig(TargetSettings):
+    """One target replica: `tp_size` shard actors holding one tensor-parallel copy of the target."""
+
+    model: ModelConfig = Field(description="The target model.")
+    tp_size: int = Field(
+        default=1, ge=1, le=64, description="Tensor-parallel degree: shard actors (and GPUs) per replica."
+    )
     shard_start_timeout_s: float = Field(
         default=900.0, gt=0, le=7_200, description="Loading plus the first DeepSpeed compile may take minutes."
     )
-    medusa: MedusaHeadsConfig | None = Field(
+    heads: DrafterConfig | None = Field(
         default=None,
-        description="Medusa heads read at each verdict's bonus token, the tree of their guesses sent back with the "
-        "verdict (drafter kind medusa); replicated on every tensor-parallel shard, which all hold the full hidden "
-        "state.",
-    )
-    eagle: EagleHeadConfig | None = Field(
-        default=None,
-        description="An EAGLE head over the features of every kept position, its dynamic tree sent back with the "
-        "verdict (drafter kind eagle); replicated on every tensor-parallel shard, using the target's embedding "
-        "and LM head.",
+        description="The drafter whose heads run beside the target (a kind that `runs_on` the target: medusa, "
+        "eagle): read at each verdict, the tree of their guesses sent back with it; replicated on every "
+        "tensor-parallel shard, which all hold the full hidden state, the embedding and the LM head.",
     )
 
     @model_validator(mode="after")
@@ -228,6 +208,8 @@ class TargetConfig(BaseModel):
             raise ValueError(
                 f"cpu_cores: {len(self.cpu_cores)} cores do not split evenly over tp_size {self.tp_size} ranks"
             )
+        if self.heads is not None and not self.heads.on_target:
+            raise ValueError(f"heads: drafter kind {self.heads.kind!r} does not draft on the target")
         return self
 
 
@@ -307,8 +289,9 @@ class RouterConfig(BaseModel):
     )
     drafts_on_target: bool = Field(
         default=False,
-        description="Drafter kind medusa or eagle (set from the drafter config): the lane drafts the trees the "
-        "target's heads drafted with each verdict, cut to each round's depth, at no draft cost.",
+        description="A drafter kind whose heads run on the target (set from the drafter config's `on_target`): "
+        "the lane drafts the trees the target's heads drafted with each verdict, cut to each round's depth, at "
+        "no draft cost.",
     )
     lookup_quotes: bool = Field(
         default=False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from actors.config import RouterConfig
 from actors.pools import Pool
@@ -73,9 +74,16 @@ class DraftCalls:
 
 def draft_work(live: Live, request: DraftRequest) -> int:
     """Tokens a draft call computes for this request: those the pool has not seen (and a pre-draft's spine,
-    forwarded again for its scores), then the drafts under every branch; and from now on the pool has seen
-    the request's tokens."""
+    forwarded again for its scores), then the drafts under every branch."""
     branches = 1 + request.alternatives
-    work = max(len(request.tokens) - live.draft_seen, 1) + request.spine + branches * request.budget
-    live.draft_seen = len(request.tokens)
+    return max(len(request.tokens) - live.draft_seen, 1) + request.spine + branches * request.budget
+
+
+def send_work(sent: Iterable[tuple[Live, DraftRequest]]) -> int:
+    """Tokens a draft call carrying these requests computes (`draft_work`, summed); from now on the pool
+    has seen each request's tokens."""
+    work = 0
+    for live, request in sent:
+        work += draft_work(live, request)
+        live.draft_seen = len(request.tokens)
     return work

@@ -22,7 +22,6 @@ from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.wire import Drafted, DraftInfo, Stopwatch, WireProposal
 from speculative.drafters.base import Drafter, DraftRequest, empty_proposal
-from speculative.drafters.config import build_drafter
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
 from speculative.engine.kv_cache import preallocated
 
@@ -52,7 +51,7 @@ class DraftWorker:
     def _new_drafter(self) -> Drafter | None:
         window, budget = self.limits.max_model_len, self.limits.kv_budget_tokens
         reserve = preallocated(budget, window) if window is not None and budget is not None else None
-        return build_drafter(self.config.drafter, self.model, self.target_vocab, self.grammars, reserve)
+        return self.config.drafter.build(self.model, self.target_vocab, self.grammars, reserve)
 
     async def propose(
         self, cache_key: str, requests: list[DraftRequest], release: list[str], lane: str | None = None

@@ -29,10 +29,10 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from actors.config import RouterConfig
-from actors.draft_calls import DraftCalls, draft_work
+from actors.draft_calls import DraftCalls, send_work
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, replica_lost, verify_failure
 from actors.records import Live, StepRecord, bare_proposal, usage, with_logprobs
@@ -41,7 +41,7 @@ from actors.wire import Drafted, Verified, WireProposal, WireVerifyItem, Work
 from speculative.drafters.heads import NextTree, TreeDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.planning.costs import Planned, StepCosts
-from speculative.planning.round import Speculation
+from speculative.planning.round import Drafting, Speculation
 from speculative.planning.sequence import Sequence
 from speculative.rules.tree import TokenTree
 
@@ -57,6 +57,18 @@ class _Half:
     tokens: int = 0
     replica: str | None = None
     ahead: Settled | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """One group of a lane's sequences (ping-pong plays two) and what its round in flight carries."""
+
+    index: int  # its place in the lane (the draft calls' release lists are per group)
+    key: str  # the workers' cache key for it
+    lives: dict[str, Live] = field(default_factory=dict)  # seq_id -> the sequence, in join order
+    drafted: bool = False  # holds proposals not yet verified
+    predicted: Planned | None = None  # the planned round's prediction (`Plan.predicted`; None: not a priced round)
+    release_target: list[str] = field(default_factory=list)  # ids the next verify call tells the target to forget
 
 
 @dataclass
@@ -81,12 +93,8 @@ class Lane:
         # Nothing to overlap without a draft pool to call: none, or prompt lookup alone (drafted here).
         pool_drafts = ctx.draft is not None and (ctx.config.lookup_ngrams is None or ctx.config.lookup_quotes)
         n = 2 if ctx.config.pipelining and pool_drafts else 1
-        self.groups: list[dict[str, Live]] = [{} for _ in range(n)]
-        self.drafted = [False] * n  # group holds proposals not yet verified
+        self.groups = [_Group(g, f"{key}/{g}") for g in range(n)]
         self.calls = DraftCalls(ctx.draft, key, n, ctx.config)
-        # per group, the planned round's prediction (`Plan.predicted`; None: not a priced round)
-        self.predicted: list[Planned | None] = [None] * n
-        self.release_target: list[list[str]] = [[] for _ in range(n)]
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         config, ngrams = ctx.config, ctx.config.lookup_ngrams
         # Prompt lookup is drafted here (no call) and depths know each match; beside a draft model, quotes only.
@@ -109,14 +117,11 @@ class Lane:
         self.task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
-        return sum(len(g) for g in self.groups)
-
-    def cache_key(self, group: int) -> str:
-        return f"{self.key}/{group}"
+        return sum(len(g.lives) for g in self.groups)
 
     def add(self, live: Live) -> None:
-        g = min(range(len(self.groups)), key=lambda i: (len(self.groups[i]), self.drafted[i]))
-        self.groups[g][live.seq.seq_id] = live
+        group = min(self.groups, key=lambda g: (len(g.lives), g.drafted))
+        group.lives[live.seq.seq_id] = live
         if self.task is None:
             # A fresh context: the lane serves many requests, so its calls must not inherit the request
             # context of the one that opened it (Serve cancels a request's handle calls with it, which
@@ -136,21 +141,21 @@ class Lane:
                 await self._round()
         except Exception as e:  # a bug: end the lane's requests with the error instead of hanging them
             logger.exception("lane %s failed", self.key)
-            for g in range(len(self.groups)):
-                self._fail(g, f"internal error: {e!r}")
+            for group in self.groups:
+                self._fail(group, f"internal error: {e!r}")
         finally:
             self._on_done(self)
 
     async def _round(self) -> None:
         start = time.time()
-        busy = [g for g, group in enumerate(self.groups) if group]
+        busy = [g for g in self.groups if g.lives]
         if len(busy) == 1:  # nothing to overlap with: draft and verify in one round
-            g = busy[0]
-            draft = await self._draft(g, ahead=self.round_ahead) if not self.drafted[g] else None
-            verify = await self._verify(g, ahead=self.round_ahead)
+            group = busy[0]
+            draft = await self._draft(group, ahead=self.round_ahead) if not group.drafted else None
+            verify = await self._verify(group, ahead=self.round_ahead)
         else:
-            vg = next((g for g in (0, 1) if self.drafted[g] and self.groups[g]), None)
-            dg = next((g for g in (0, 1) if not self.drafted[g] and self.groups[g] and g != vg), None)
+            vg = next((g for g in self.groups if g.drafted and g.lives), None)
+            dg = next((g for g in self.groups if not g.drafted and g.lives and g is not vg), None)
             draft, verify = await asyncio.gather(self._draft(dg), self._verify(vg))
         d, v = draft or _Half(), verify or _Half()
         a = v.ahead
@@ -169,112 +174,129 @@ class Lane:
 
     def _sweep(self) -> None:
         """Drop cancelled sequences between rounds (no call is in flight)."""
-        for g, group in enumerate(self.groups):
-            for live in [x for x in group.values() if x.cancelled]:
-                self._leave(g, live)
+        for group in self.groups:
+            for live in [x for x in group.lives.values() if x.cancelled]:
+                self._leave(group, live)
 
-    # ---- draft -------------------------------------------------------------------------
-    async def _draft(self, g: int | None, ahead: bool = False) -> _Half | None:
-        if g is None:
+    # ---- draft: plan, propose, record --------------------------------------------------
+    async def _draft(self, group: _Group | None, ahead: bool = False) -> _Half | None:
+        if group is None:
             return None
-        group = list(self.groups[g].values())
-        if ahead and len(group) == 1 and self.ahead.catches_up(group[0]):
+        if ahead and len(group.lives) == 1 and self.ahead.catches_up(next(iter(group.lives.values()))):
             # the draft model catches up beside this round's verify (round ahead), drafting the next
-            self.predicted[g], self.drafted[g] = None, True
+            group.predicted, group.drafted = None, True
             return _Half()
-        lives = [x for x in group if x.proposal is None]  # the others hold their pre-drafts
-        # The other group's verify runs beside this draft; or, for one sequence drafting round ahead, this
-        # round's draft is the exception (a miss) and the next is drafted beside the verify.
-        overlapped = (len(self.groups) > 1 and all(self.groups)) or (self.round_ahead and len(group) == 1)
-        seqs = [x.seq for x in lives]
-        drafting = self.speculation.plan(seqs, len(group), self.target_waiting, overlapped)
-        # A round mixing pre-drafts with these drafts is not the round this plan priced: no calibrating on it.
-        self.predicted[g] = drafting.plan.predicted if len(lives) == len(group) else None
-        modelled = drafting.modelled
-        self.ctx.metrics.depth.set(sum(drafting.plan.depths) / max(len(seqs), 1))
-        # Prompt lookup drafts here, in the router: a call to the draft pool would cost more than the lookup.
-        proposals = [WireProposal.encode(p) if p is not None else None for p in drafting.found]
-        if self.on_target is not None:  # the trees the target's heads drafted, here: no call
-            cut = self.on_target.propose(modelled)
-            found = [WireProposal.encode(m) if m.tree.size else None for m in cut]
-            proposals = [p or m for p, m in zip(proposals, found, strict=True)]
+        lives = [x for x in group.lives.values() if x.proposal is None]  # the others hold their pre-drafts
+        drafting = self._plan(group, lives)
+        proposals = self._drafted_here(drafting)
         half = _Half(seqs=len(lives))
-        called_pool = False
-        if self.calls.free() and self.calls.pool is not None and drafting.calls_drafter:
-            try:
-                called = time.perf_counter()
-                work = sum(draft_work(x, r) for x, r in zip(lives, modelled, strict=True) if r.budget)
-                drafted: Drafted = await self.calls.propose(g, self.cache_key(g), modelled, work)
-                half.work, half.replica, called_pool = drafted.work, drafted.replica, True
-                # Priced as the round waits for it, the call included: only drafting rounds pay for the
-                # hop to the draft pool.
-                waited = time.perf_counter() - called
-                self.speculation.drafted(seqs, [p.tree for p in drafted.proposals], waited, self.predicted[g])
-                proposals = [p or d for p, d in zip(proposals, drafted.proposals, strict=True)]
-            except Exception as e:  # a draft failure never fails a request: decode without speculation
-                self.calls.failed(e)
-        if drafting.calls_drafter and not called_pool:  # not drafted as planned: no calibrating on it
-            self.predicted[g] = None
+        if drafting.calls_drafter:
+            pooled = await self._propose(group, lives, drafting, half)
+            if pooled is None:  # not drafted as planned: no calibrating on it
+                group.predicted = None
+            else:
+                proposals = [p or d for p, d in zip(proposals, pooled, strict=True)]
         for live, proposal in zip(lives, proposals, strict=True):
             live.proposal = proposal
-        self.drafted[g] = True
+        group.drafted = True
         return half
 
-    # ---- verify and commit -------------------------------------------------------------
-    async def _verify(self, g: int | None, ahead: bool = False) -> _Half | None:
-        if g is None:
+    def _plan(self, group: _Group, lives: list[Live]) -> Drafting:
+        """Plan the round of `lives` (the group's sequences without a pre-draft), recording its prediction."""
+        # The other group's verify runs beside this draft; or, for one sequence drafting round ahead, this
+        # round's draft is the exception (a miss) and the next is drafted beside the verify.
+        size = len(group.lives)
+        overlapped = (len(self.groups) > 1 and all(g.lives for g in self.groups)) or (self.round_ahead and size == 1)
+        seqs = [x.seq for x in lives]
+        drafting = self.speculation.plan(seqs, size, self.target_waiting, overlapped)
+        # A round mixing pre-drafts with these drafts is not the round this plan priced: no calibrating on it.
+        group.predicted = drafting.plan.predicted if len(lives) == size else None
+        self.ctx.metrics.depth.set(sum(drafting.plan.depths) / max(len(seqs), 1))
+        return drafting
+
+    def _drafted_here(self, drafting: Drafting) -> list[WireProposal | None]:
+        """The drafts made in the router, no call: prompt lookup's (a call to the draft pool would cost more
+        than the lookup), and the trees the target's heads drafted with the last verdicts."""
+        proposals = [WireProposal.encode(p) if p is not None else None for p in drafting.found]
+        if self.on_target is not None:
+            cut = self.on_target.propose(drafting.modelled)
+            found = [WireProposal.encode(m) if m.tree.size else None for m in cut]
+            proposals = [p or m for p, m in zip(proposals, found, strict=True)]
+        return proposals
+
+    async def _propose(
+        self, group: _Group, lives: list[Live], drafting: Drafting, half: _Half
+    ) -> list[WireProposal] | None:
+        """The draft pool's proposals for the planned requests, recorded in `half`; None where the pool was
+        not called (backing off, or busy with a pre-draft) or failed (a draft failure never fails a request:
+        those sequences decode without speculation)."""
+        if not (self.calls.free() and self.calls.pool is not None):
             return None
-        lives = list(self.groups[g].values())
-        items = [
-            WireVerifyItem(
-                x.seq.seq_id,
-                tuple(x.seq.tokens),
-                x.seq.params,
-                x.proposal or bare_proposal(x.seq),
-                _kv(x.seq),
-                len(x.seq.prompt),
-            )
-            for x in lives
-        ]
-        pre = self.ahead.start(g, self.cache_key(g), lives, self.target_waiting) if ahead else None
-        verified = await self._verify_call(g, items)
+        modelled = drafting.modelled
+        try:
+            called = time.perf_counter()
+            work = send_work((x, r) for x, r in zip(lives, modelled, strict=True) if r.budget)
+            drafted: Drafted = await self.calls.propose(group.index, group.key, modelled, work)
+            half.work, half.replica = drafted.work, drafted.replica
+            # Priced as the round waits for it, the call included: only drafting rounds pay for the
+            # hop to the draft pool.
+            waited = time.perf_counter() - called
+            trees = [p.tree for p in drafted.proposals]
+            self.speculation.drafted([x.seq for x in lives], trees, waited, group.predicted)
+            return drafted.proposals
+        except Exception as e:
+            self.calls.failed(e)
+            return None
+
+    # ---- verify and commit -------------------------------------------------------------
+    async def _verify(self, group: _Group | None, ahead: bool = False) -> _Half | None:
+        if group is None:
+            return None
+        lives = list(group.lives.values())
+        items = [_verify_item(x) for x in lives]
+        pre = self.ahead.start(group.index, group.key, lives, self.target_waiting) if ahead else None
+        verified = await self._verify_call(group, items)
         arrived = time.perf_counter()
-        self.drafted[g] = False
+        group.drafted = False
         if isinstance(verified, str):
-            self._fail(g, verified)
+            self._fail(group, verified)
             if pre is not None:  # its drafts are for sequences that just failed
                 self.ahead.drop(pre)
             return _Half(seqs=len(lives))
         self.target_waiting = verified.waiting
-        seqs, trees = [x.seq for x in lives], [item.proposal.tree for item in items]
-        news = self.speculation.settle(seqs, trees, verified.verdicts, verified.work.seconds, self.predicted[g])
+        trees = [item.proposal.tree for item in items]
+        half = _Half(verified.work, len(lives), self._settle(group, lives, trees, verified), verified.replica)
+        if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token
+            verdicts = {x.seq.seq_id: v.tokens for x, v in zip(lives, verified.verdicts, strict=True)}
+            half.ahead = await self.ahead.settle(
+                pre, group.lives, verified.work.seconds, verdicts, self.target_waiting, arrived
+            )
+            if half.ahead is not None:
+                group.drafted = bool(group.lives) and all(x.proposal is not None for x in group.lives.values())
+        return half
+
+    def _settle(self, group: _Group, lives: list[Live], trees: list[TokenTree], verified: Verified) -> int:
+        """Commit the verdicts and stream them; the tokens committed."""
+        seqs = [x.seq for x in lives]
+        news = self.speculation.settle(seqs, trees, verified.verdicts, verified.work.seconds, group.predicted)
         committed = 0
         for live, tree, verdict, new in zip(lives, trees, verified.verdicts, news, strict=True):
             live.proposal = None
             if verdict.drafted is not None and new is not None:  # for the sequence as it now stands
                 self.trees[live.seq.seq_id] = NextTree(len(live.seq.tokens), verdict.drafted)
             if new is not None:  # (None: still prefilling, sent again next round)
-                committed += self._emit(g, live, tree, len(verdict.accepted), new)
-        half = _Half(verified.work, len(lives), committed, verified.replica)
-        if pre is not None:  # the verdicts are streamed already: a pre-draft never delays a token
-            verdicts = {x.seq.seq_id: v.tokens for x, v in zip(lives, verified.verdicts, strict=True)}
-            group = self.groups[g]
-            half.ahead = await self.ahead.settle(
-                pre, group, verified.work.seconds, verdicts, self.target_waiting, arrived
-            )
-            if half.ahead is not None:
-                self.drafted[g] = bool(group) and all(x.proposal is not None for x in group.values())
-        return half
+                committed += self._emit(group, live, tree, len(verdict.accepted), new)
+        return committed
 
-    async def _verify_call(self, g: int, items: list[WireVerifyItem]) -> Verified | str:
+    async def _verify_call(self, group: _Group, items: list[WireVerifyItem]) -> Verified | str:
         """The verdicts, or why the verify failed for good (retries spent, or an error retrying cannot fix)."""
         error: BaseException | None = None
         for attempt in range(self.ctx.config.verify_retries + 1):
             try:
                 verified: Verified = await self.ctx.target.call(
-                    "verify", self.key, self.cache_key(g), items, self.release_target[g]
+                    "verify", self.key, group.key, items, group.release_target
                 )
-                self.release_target[g] = []
+                group.release_target = []
                 return verified
             except Exception as e:  # the replica was lost: retry; Serve routes to a live one, which re-prefills
                 logger.warning("lane %s: verify attempt %d failed: %r", self.key, attempt + 1, e)
@@ -284,7 +306,7 @@ class Lane:
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
         return verify_failure(error)
 
-    def _emit(self, g: int, live: Live, tree: TokenTree, n_accepted: int, new: list[int]) -> int:
+    def _emit(self, group: _Group, live: Live, tree: TokenTree, n_accepted: int, new: list[int]) -> int:
         """Stream a settled verdict's new tokens to the client; a finished sequence leaves the lane."""
         seq, now = live.seq, time.time()
         self.ctx.metrics.step(tree.depths, n_accepted, len(new), now, live)
@@ -294,34 +316,43 @@ class Lane:
             )
             chunk = {"token_ids": new, "finish_reason": seq.finish_reason, "usage": usage(seq)}
             live.chunks.put_nowait(with_logprobs(chunk, seq, len(new)))
-            self._leave(g, live)
+            self._leave(group, live)
         elif new:
             live.chunks.put_nowait(with_logprobs({"token_ids": new, "finish_reason": None}, seq, len(new)))
         return len(new)
 
-    def _leave(self, g: int, live: Live) -> None:
+    def _leave(self, group: _Group, live: Live) -> None:
         seq_id = live.seq.seq_id
-        self.groups[g].pop(seq_id, None)
+        group.lives.pop(seq_id, None)
         self.trees.pop(seq_id, None)
-        self.calls.release[g].append(seq_id)
-        self.release_target[g].append(seq_id)
+        self.calls.release[group.index].append(seq_id)
+        group.release_target.append(seq_id)
 
-    def _fail(self, g: int, message: str) -> None:
-        for live in list(self.groups[g].values()):
+    def _fail(self, group: _Group, message: str) -> None:
+        for live in list(group.lives.values()):
             self.ctx.metrics.finished("error", 0.0, 0, 0.0)
             live.chunks.put_nowait({"error": message})
-            self._leave(g, live)
+            self._leave(group, live)
 
     async def _flush_releases(self) -> None:
         """The lane is empty: tell the workers now instead of on a next call that will not come."""
-        for g in range(len(self.groups)):
-            for pool, pending in ((self.ctx.draft, self.calls.release), (self.ctx.target, self.release_target)):
-                ids, pending[g] = pending[g], []
+        for group in self.groups:
+            draft_ids, self.calls.release[group.index] = self.calls.release[group.index], []
+            target_ids, group.release_target = group.release_target, []
+            for pool, ids in ((self.ctx.draft, draft_ids), (self.ctx.target, target_ids)):
                 if pool is not None and ids:
                     try:
-                        await pool.call("release", self.key, self.cache_key(g), ids)
+                        await pool.call("release", self.key, group.key, ids)
                     except Exception as e:  # soft state: the worker evicts idle groups anyway
                         logger.info("lane %s: release failed (%r)", self.key, e)
+
+
+def _verify_item(live: Live) -> WireVerifyItem:
+    """The verify call's item for a sequence: its proposal, or no draft (`bare_proposal`)."""
+    seq = live.seq
+    return WireVerifyItem(
+        seq.seq_id, tuple(seq.tokens), seq.params, live.proposal or bare_proposal(seq), _kv(seq), len(seq.prompt)
+    )
 
 
 def _kv(seq: Sequence) -> int:

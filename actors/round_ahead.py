@@ -24,16 +24,25 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from actors.config import RouterConfig
-from actors.draft_calls import DraftCalls, draft_work
+from actors.draft_calls import DraftCalls, send_work
 from actors.metrics import RouterMetrics
 from actors.records import Live, bare_proposal
 from actors.wire import Drafted, WireProposal, Work
-from speculative.drafters.base import Proposal
+from speculative.drafters.base import DraftRequest, Proposal
 from speculative.planning.ahead import ahead_request, assumed_path, take_ahead
-from speculative.planning.load_control import QUOTE_RUN
 from speculative.planning.round import Speculation
+from speculative.planning.rows import QUOTE_RUN
+
+
+class Ahead(NamedTuple):
+    """One sequence of a pre-draft."""
+
+    live: Live
+    path: list[int]  # the draft tokens the pre-draft assumes accepted
+    depth: int  # how deep it pre-drafts (0: a catch-up, drafting nothing)
 
 
 @dataclass
@@ -42,10 +51,8 @@ class PreDraft:
 
     group: int
     task: asyncio.Task[Drafted]
-    lives: list[Live]
-    paths: list[list[int]]  # per live, the draft tokens the pre-draft assumes accepted
+    sequences: list[Ahead]  # in the order of the call's requests
     released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
-    depths: list[int]  # per live, its depth (0: a catch-up, drafting nothing)
     catching_up: bool = False  # its sequence's prompt is caught up on (`RoundAhead.catches_up`): awaited whole
     predicted: float | None = None  # the verify's predicted seconds its deadline was sized from (None: no deadline)
     answered: float | None = None  # `time.perf_counter()` when the pool answered
@@ -56,7 +63,7 @@ class PreDraft:
     @property
     def drafting(self) -> int:
         """The sequences it drafts for (a catch-up is not a pre-draft that can hit or miss)."""
-        return sum(1 for d in self.depths if d)
+        return sum(1 for a in self.sequences if a.depth)
 
 
 @dataclass(frozen=True)
@@ -115,9 +122,10 @@ class RoundAhead:
             return catch_up  # beside a prefill: catching up only (`catches_up`)
         # priced as drafted: beside the verify, one forward deeper (the guess of the bonus comes first)
         plan = speculation.depths([seq], 1, target_waiting, overlapped=True, extra_levels=1)
-        if speculation.lookup is not None and plan.runs[0]:  # a quote: drafted by lookup at the round's start
+        (row,) = plan.rows
+        if speculation.lookup is not None and row.run:  # a quote: drafted by lookup at the round's start
             return catch_up
-        depth = plan.depths[0]
+        depth = row.depth
         path = len(assumed_path(tree)) if tree is not None else 0
         own = seq.params.max_draft_tokens if seq.params.max_draft_tokens is not None else depth
         # A hit of the guess follows a round that commits path + bonus, and the next round adds at least one
@@ -136,7 +144,6 @@ class RoundAhead:
         picked = [(x, d) for x in lives if (d := self.depth(x, n, target_waiting, catching_up)) is not None]
         if not picked:
             return None
-        requests, paths, work = [], [], 0
         trees = {x.seq.seq_id: (x.proposal or bare_proposal(x.seq)).tree for x in lives}  # as verified
         # Hidden behind the verify about to start: no level that would end after its verdict is back (the
         # round would wait); a catch-up drafts its whole depth, as the round's start would have after catching
@@ -144,24 +151,21 @@ class RoundAhead:
         seqs, costs = [x.seq for x in lives], self.speculation.costs
         predicted = None if catching_up else self.speculation.verify_seconds(seqs, list(trees.values()))
         deadline = None if predicted is None or costs is None else costs.ahead_deadline(predicted)
+        requests, sequences = [], []
         for live, depth in picked:
             seq, tree = live.seq, trees[live.seq.seq_id]
             # a catch-up (0 deep) is a plain draft call, its guess unused; with no spine (beside a verify of no
             # draft) the alternatives are more guesses of the bonus (`_propose_ahead`)
             alternatives = self.config.ahead_alternatives if depth else 0
-            tokens = tuple(seq.tokens)
-            request = ahead_request(
-                seq.seq_id, tokens, tree, depth, seq.params, len(seq.prompt), alternatives, deadline if depth else None
-            )
+            base = DraftRequest(seq.seq_id, tuple(seq.tokens), depth, seq.params, len(seq.prompt))
+            request = ahead_request(base, tree, alternatives, deadline if depth else None)
             requests.append(request)
-            paths.append(assumed_path(tree))
-            work += draft_work(live, request)
+            sequences.append(Ahead(live, assumed_path(tree), depth))
             # What the draft model will have seen: the load planner's catch-up accounting (`catch_up`).
-            stats = seq.stats
-            stats.draft_synced, stats.drafted_at, stats.draft_catch_up = len(request.tokens), stats.steps, 0
+            seq.stats.record_model_draft(len(request.tokens), 0)
+        work = send_work(zip([x for x, _ in picked], requests, strict=True))
         task, released = self.calls.send(g, cache_key, requests, work)
-        depths = [d for _, d in picked]
-        pre = PreDraft(g, task, [x for x, _ in picked], paths, released, depths, catching_up, predicted)
+        pre = PreDraft(g, task, sequences, released, catching_up, predicted)
         task.add_done_callback(pre.on_answer)
         return pre
 
@@ -171,8 +175,8 @@ class RoundAhead:
         as at the start of a passage the output copies, which the pre-draft's plan could not yet see."""
         if self.speculation.lookup is None:
             return False
-        plan = self.speculation.depths([live.seq], 1, target_waiting, overlapped=True)
-        return plan.runs[0] >= QUOTE_RUN and plan.depths[0] > max(taken.tree.depths)
+        (row,) = self.speculation.depths([live.seq], 1, target_waiting, overlapped=True).rows
+        return row.run >= QUOTE_RUN and row.depth > max(taken.tree.depths)
 
     def _learn_deadline(self, pre: PreDraft, work: Work, arrived: float | None) -> None:
         """What the pre-draft's deadline should have been: its seconds, less how late it answered after the
@@ -204,7 +208,7 @@ class RoundAhead:
         prompt is awaited whole: the next round would otherwise wait for that catch-up and a draft. When every sequence
         of it is still prefilling (a chunk of a long prompt), nothing of it can be taken: the next chunk's
         round starts at once, and the draft model's catch-up goes on beside it."""
-        if not any(committed.get(x.seq.seq_id) for x in pre.lives):
+        if not any(committed.get(a.live.seq.seq_id) for a in pre.sequences):
             self.drop(pre)
             self.metrics.ahead(pre.drafting, 0, "settled")  # misses: drafted for a prompt not yet done
             return None
@@ -222,7 +226,7 @@ class RoundAhead:
             return None
         self._learn_deadline(pre, drafted.work, arrived)
         hits, cut_hits, unverified, ended = 0, 0, 0, 0
-        for live, path, wire, depth in zip(pre.lives, pre.paths, drafted.proposals, pre.depths, strict=True):
+        for (live, path, depth), wire in zip(pre.sequences, drafted.proposals, strict=True):
             verdict = committed.get(live.seq.seq_id)  # () while still prefilling
             alive = bool(verdict) and live.seq.seq_id in group and live.seq.finish_reason is None
             ended += bool(depth and verdict and live.seq.finish_reason is not None)  # no next round: no hit or miss

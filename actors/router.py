@@ -71,14 +71,13 @@ class Router:
         tokenizer: str | None = None,
         resolve: Resolver = identity,
         decode: Callable[[list[int]], str] | None = None,
-        router_id: str | None = None,
     ) -> None:
         """`draft` / `target`: `Pool`s, or Serve `DeploymentHandle`s (wrapped once, here).
 
         `decode` (token ids -> text, for stop strings) defaults to the tokenizer at `tokenizer`, if any.
         """
         self.config = config
-        self.router_id = router_id or _replica_id() or uuid.uuid4().hex[:8]
+        self.router_id = _replica_id() or uuid.uuid4().hex[:8]  # Serve's replica id, else a fresh one
         self._draft = None if draft is None else _as_pool(draft)
         self._target = _as_pool(target)
         self._decode = decode if decode is not None or tokenizer is None else load_decoder(tokenizer, resolve)

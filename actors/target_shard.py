@@ -27,7 +27,6 @@ from actors.heap import freeze_heap
 from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
-from speculative.drafters.config import heads_factory, load_heads
 from speculative.drafters.heads import TreeHeads
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
 from speculative.engine.kv_cache import preallocated
@@ -88,14 +87,8 @@ class TargetShard:
         return self._info
 
     def _heads(self, model: Any) -> Callable[[ModelRunner], TreeHeads] | None:
-        """The configured heads (Medusa or EAGLE), checked against the model: per verifier, weights shared."""
-        medusa, eagle = self.config.medusa, self.config.eagle
-        if medusa is not None:
-            return heads_factory(load_heads("medusa", medusa.path, model), model, medusa.choices, medusa.top)
-        if eagle is not None:
-            head = load_heads("eagle", eagle.path, model)
-            return heads_factory(head, model, top_k=eagle.top_k, depth=eagle.depth, nodes=eagle.nodes)
-        return None
+        """The configured heads, checked against the model: per verifier, weights shared."""
+        return self.config.heads.build_heads(model) if self.config.heads is not None else None
 
     def verify(
         self, cache_key: str, items: list[WireVerifyItem], release: list[str], drop: list[str]

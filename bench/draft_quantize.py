@@ -59,7 +59,7 @@ def step_ms(runner: ModelRunner, q: int, reps: int) -> float:
 
 
 def prefill_ms(model: PreTrainedModel, tokens: int, reps: int) -> float:
-    runner = ModelRunner(model, lean=True)  # as a draft replica runs it (`build_drafter`)
+    runner = ModelRunner(model, lean=True)  # as a draft replica runs it (`ModelDrafterConfig.build`)
 
     def prefill() -> None:
         runner.add_rows(["p"])
@@ -108,7 +108,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         model = load_draft(draft_path, fmt, kernel, args.threads)
         label = f"{fmt} ({kernel})" if kernel else fmt
         row: dict[str, Any] = {"format": label, "resolved": resolve_quantize(fmt), "dtype": str(model.dtype)}
-        runner = ModelRunner(model, lean=True)  # as a draft replica runs it (`build_drafter`)
+        runner = ModelRunner(model, lean=True)  # as a draft replica runs it (`ModelDrafterConfig.build`)
         runner.add_rows(["s"])
         runner.extend([list(range(1000, 1000 + args.cache))])
         with torch.inference_mode():

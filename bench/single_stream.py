@@ -27,7 +27,7 @@ import torch
 
 from bench import figures, report
 from deploy.local.decoder import LocalModels
-from speculative.drafters.config import DrafterConfig
+from speculative.drafters.config import DrafterConfig, drafter_config
 from speculative.planning.costs import StepCosts
 from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
@@ -45,11 +45,11 @@ PROMPTS = {
     ),
 }
 OURS = {
-    "plain": DrafterConfig(kind="none"),
-    "chain": DrafterConfig(kind="model"),
-    "tree": DrafterConfig(kind="model", tree_width=2, tree_nodes=6),
-    "lookup": DrafterConfig(kind="lookup"),
-    "hybrid": DrafterConfig(kind="hybrid"),
+    "plain": drafter_config(kind="none"),
+    "chain": drafter_config(kind="model"),
+    "tree": drafter_config(kind="model", tree_width=2, tree_nodes=6),
+    "lookup": drafter_config(kind="lookup"),
+    "hybrid": drafter_config(kind="hybrid"),
 }
 
 
@@ -58,7 +58,7 @@ def run_ours(
 ) -> dict[str, Any]:
     """Greedy, stopping at the target's end-of-sequence tokens as HF generate does; depths capped by the
     verify and draft costs measured so far in this run (`costs`, shared by a method's prompts)."""
-    draft_cost = 0.4 if config.kind in ("model", "hybrid") else 0.0  # lookup, heads: no draft forward
+    draft_cost = 0.4 if config.needs_draft_model else 0.0  # lookup, heads: no draft forward
     decoder = models.decoder(config, DepthConfig(max_depth=depth, draft_cost=draft_cost), costs)
     start = time.perf_counter()
     (seq,) = decoder.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n))
@@ -88,13 +88,12 @@ def run_hf(models: LocalModels, prompt: list[int], n: int, assisted: bool) -> di
 def head_drafters(target: str, folder: Path) -> dict[str, DrafterConfig]:
     """Medusa and EAGLE drafters over the heads trained for `target` in `folder` (`make heads`), those present."""
     out = {}
-    for kind in ("medusa", "eagle"):
+    for kind, field in (("medusa", "medusa_heads"), ("eagle", "eagle_head")):
         heads = folder / f"{target}-{kind}"
         if not (heads / "config.json").exists():
             print(f"no {kind} heads in {heads} (make heads): left out", flush=True)
             continue
-        field = "medusa_heads" if kind == "medusa" else "eagle_head"
-        out[kind] = DrafterConfig.model_validate({"kind": kind, field: str(heads)})
+        out[kind] = drafter_config({"kind": kind, field: str(heads)})
     return out
 
 

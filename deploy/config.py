@@ -13,22 +13,18 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from actors.config import (
     CPU_QUANTIZE,
-    CpuCores,
-    CpuLinear,
     DraftWorkerConfig,
-    Dtype,
-    EagleHeadConfig,
-    KvBudgetTokens,
-    KvMemoryFraction,
-    MedusaHeadsConfig,
+    DraftWorkerSettings,
     ModelConfig,
+    ModelSettings,
     Quantize,
     RouterConfig,
     TargetConfig,
+    TargetSettings,
 )
 from actors.scaling import BusyFractionPolicy
 from deploy.front.frontdoor import FrontDoorConfig
-from speculative.drafters.config import DrafterConfig
+from speculative.drafters.config import DrafterConfig, ModelDrafterConfig
 from speculative.planning.depth import DepthConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -121,7 +117,12 @@ class Autoscaling(BaseModel):
         return {"autoscaling_config": config}
 
 
-class DraftPoolConfig(BaseModel):
+def _fields(config: BaseModel, part: type[BaseModel]) -> dict[str, Any]:
+    """`config`'s values of the fields it shares with `part` (a role's settings that a pool sets for it)."""
+    return {name: getattr(config, name) for name in part.model_fields}
+
+
+class DraftPoolConfig(DraftWorkerSettings):
     """Draft replicas: one draft model each, on its own GPU (or a share of the CPUs)."""
 
     model_config = _STRICT
@@ -137,14 +138,6 @@ class DraftPoolConfig(BaseModel):
         default=None, description="Only nodes with this accelerator (Ray's name, e.g. L4, A10G) take draft replicas."
     )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
-    nice: int = Field(
-        default=10, ge=0, le=19, description="Niceness of each draft replica's process (DraftWorkerConfig.nice)."
-    )
-    idle_evict_s: float = Field(
-        default=120.0, gt=0, le=86_400, description="Drop a lane group's caches after this idle."
-    )
-    kv_budget_tokens: KvBudgetTokens = None
-    kv_memory_fraction: KvMemoryFraction = 0.5
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count.")
 
     def actor_options(self) -> dict[str, Any]:
@@ -157,14 +150,11 @@ class DraftPoolConfig(BaseModel):
         return options
 
 
-class TargetPoolConfig(BaseModel):
+class TargetPoolConfig(TargetSettings):
     """Target replicas: `tp_size` shard actors each, in one STRICT_PACK placement group."""
 
     model_config = _STRICT
 
-    shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per shard (per placement bundle).")
-    shard_num_gpus: float = Field(default=0.0, ge=0, le=1, description="GPUs per shard (1 on GPU machines).")
-    cpu_cores: CpuCores = None
     resources: NodeResources = Field(
         default_factory=dict,
         description="Custom resources per shard (per placement bundle): only nodes declaring them take "
@@ -177,22 +167,12 @@ class TargetPoolConfig(BaseModel):
         default=0.1, ge=0, le=64, description="CPUs of the replica actor itself (it only relays)."
     )
     max_ongoing_requests: int = Field(default=64, ge=1, le=100_000, description="Concurrent lane calls per replica.")
-    idle_evict_s: float = Field(default=120.0, gt=0, le=86_400, description="Drop a lane group's KV after this idle.")
-    prefill_chunk_tokens: int | None = Field(
-        default=256, ge=1, le=1_048_576, description="Most prompt tokens per verify forward (TargetConfig's)."
-    )
-    kv_budget_tokens: KvBudgetTokens = None
-    kv_memory_fraction: KvMemoryFraction = 0.5
     health_check_period_s: float = Field(
         default=2.0,
         gt=0,
         le=600,
         description="How often Serve asks a target replica whether its shards live; a replica that lost one "
         "is replaced after the next check (Serve's default, 10 s, would stall its lanes that long).",
-    )
-    torch_extensions_dir: str = Field(
-        default="~/.cache/specserve/torch_extensions",
-        description="Where DeepSpeed's CPU all-reduce op is compiled once.",
     )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Replica count (TP groups).")
 
@@ -234,19 +214,13 @@ class RouterPoolConfig(BaseModel):
         return self.router.max_stream_s + DRAIN_MARGIN_S
 
 
-class AppConfig(BaseModel):
+class AppConfig(ModelSettings):
     """Everything `deploy.app.build_app` needs; the `args:` of a Serve YAML."""
 
     model_config = _STRICT
 
     target_model: str = Field(min_length=1, description="Registry short name (modelstore/), HF folder or hub id.")
     draft_model: str | None = Field(default=None, description="The draft model; None for drafters without one.")
-    dtype: Dtype = Field(
-        default="auto", description="Weights of both models; auto: bfloat16 where computed natively, else float32."
-    )
-    device: Literal["cpu", "cuda"] = Field(
-        default="cpu", description="Chosen here, never from the GPU ids Ray assigns."
-    )
     draft_quantize: Quantize = Field(
         default="none",
         description="int8: the draft model's Linear weights in int8 (CPU only; the rest of it in float32), "
@@ -254,20 +228,15 @@ class AppConfig(BaseModel):
         "bfloat16 for catch-up (CPU only; fastest where bfloat16 is native); auto: int4 on CPUs with native "
         "bfloat16, int8 on other CPUs, none on a GPU. The target is never quantized.",
     )
-    cpu_linear: CpuLinear = Field(
-        default="torch",
-        description="onednn: both models' float32 Linear layers (and bfloat16 ones where oneDNN computes bfloat16 "
-        "natively) through oneDNN, weights prepacked at load (CPU only, tp_size 1): in float32 a verify of a few "
-        "tokens costs far less than with torch's MKL sgemm on AMD CPUs; in bfloat16 a decode step skips the weight "
-        "reorder torch's Linear does per call (Qwen 1.5B on a Xeon with AMX: ~380 -> ~290 ms, the same bits).",
-    )
     tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree of each target replica.")
-    torch_threads: int | None = Field(default=None, ge=1, le=1024, description="torch threads per worker process.")
     model_cache_dir: str | None = Field(
         default=None, description="Where registry models are fetched ($SPECSERVE_MODELS)."
     )
     drafter: DrafterConfig = Field(
-        default_factory=lambda: DrafterConfig.model_validate({}), description="Proposal shape."
+        default_factory=ModelDrafterConfig,
+        description="The drafter kind and its own fields (`kind`: none, model, lookup, hybrid, medusa, eagle); "
+        "the app deploys what the kind needs: a draft pool for model and hybrid, heads on the target replica "
+        "for medusa and eagle, nothing for lookup (the router drafts it) and none.",
     )
     speculation: DepthConfig = Field(
         default_factory=DepthConfig, description="How deep sequences draft: the depth controller's knobs."
@@ -283,78 +252,46 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _draft_model_when_needed(self) -> AppConfig:
-        if self.drafter.kind == "model" and self.draft_model is None:
-            raise ValueError("draft_model: drafter kind 'model' needs a draft model")
+        if self.drafter.needs_draft_model and self.draft_model is None:
+            raise ValueError(f"draft_model: drafter kind {self.drafter.kind!r} needs a draft model")
         if self.draft_quantize in CPU_QUANTIZE and self.device != "cpu":
             raise ValueError(
                 f"draft_quantize: {self.draft_quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu"
             )
-        if self.cpu_linear == "onednn" and (self.device != "cpu" or self.tp_size > 1):
-            raise ValueError("cpu_linear: 'onednn' is for device: cpu with tp_size 1")
+        if self.cpu_linear == "onednn" and self.tp_size > 1:
+            raise ValueError("cpu_linear: 'onednn' is for tp_size 1 (tensor parallelism shards torch's Linear layers)")
         return self
 
     def _model(self, path: str, quantize: Quantize = "none") -> ModelConfig:
-        return ModelConfig(
-            path=path,
-            dtype=self.dtype,
-            device=self.device,
-            torch_threads=self.torch_threads,
-            quantize=quantize,
-            cpu_linear=self.cpu_linear,
-        )
+        return ModelConfig(path=path, quantize=quantize, **_fields(self, ModelSettings))
 
     def draft_worker(self) -> DraftWorkerConfig | None:
-        """None without a draft model (kind none; kind lookup, which the router drafts itself): no draft
-        pool is deployed, so none holds a replica (or a GPU) that no call would reach."""
-        if self.drafter.kind != "model" or self.draft_model is None:
+        """None unless the drafter kind drafts with a draft model (model, hybrid): no draft pool is deployed,
+        so none holds a replica (or a GPU) that no call would reach."""
+        if not self.drafter.needs_draft_model or self.draft_model is None:
             return None
         return DraftWorkerConfig(
             model=self._model(self.draft_model, self.draft_quantize),
             target_model=self.target_model,
             drafter=self.drafter,
-            idle_evict_s=self.draft_pool.idle_evict_s,
-            nice=self.draft_pool.nice,
-            kv_budget_tokens=self.draft_pool.kv_budget_tokens,
-            kv_memory_fraction=self.draft_pool.kv_memory_fraction,
+            **_fields(self.draft_pool, DraftWorkerSettings),
         )
 
     def target(self) -> TargetConfig:
-        pool = self.target_pool
         return TargetConfig(
             model=self._model(self.target_model),
             tp_size=self.tp_size,
-            torch_extensions_dir=pool.torch_extensions_dir,
-            idle_evict_s=pool.idle_evict_s,
-            shard_num_cpus=pool.shard_num_cpus,
-            shard_num_gpus=pool.shard_num_gpus,
-            cpu_cores=pool.cpu_cores,
-            prefill_chunk_tokens=pool.prefill_chunk_tokens,
-            kv_budget_tokens=pool.kv_budget_tokens,
-            kv_memory_fraction=pool.kv_memory_fraction,
-            medusa=self._medusa(),
-            eagle=self._eagle(),
+            heads=self.drafter if self.drafter.on_target else None,
+            **_fields(self.target_pool, TargetSettings),
         )
-
-    def _medusa(self) -> MedusaHeadsConfig | None:
-        drafter = self.drafter
-        if drafter.kind != "medusa" or drafter.medusa_heads is None:
-            return None
-        return MedusaHeadsConfig(path=drafter.medusa_heads, top=drafter.medusa_top, choices=drafter.medusa_choices)
-
-    def _eagle(self) -> EagleHeadConfig | None:
-        d = self.drafter
-        if d.kind != "eagle" or d.eagle_head is None:
-            return None
-        return EagleHeadConfig(path=d.eagle_head, top_k=d.eagle_top_k, depth=d.eagle_depth, nodes=d.eagle_nodes)
 
     def router(self) -> RouterConfig:
         drafter = self.drafter
-        lookup = (drafter.max_ngram, drafter.min_ngram) if drafter.kind == "lookup" or drafter.lookup_quotes else None
         update = {
             "depth": self.speculation,
             "drafts_sampled": drafter.drafts_sampled,
-            "lookup_ngrams": lookup,
-            "lookup_quotes": drafter.lookup_quotes,
+            "lookup_ngrams": drafter.lookup_ngrams,
+            "lookup_quotes": drafter.quotes_in_router,
             "drafts_on_target": drafter.on_target,
         }
         return self.router_pool.router.model_copy(update=update)

@@ -41,6 +41,19 @@ class StepOutput:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class Planning:
+    """How the decoder prices its depths beyond its depth config: measured costs, and what the planner must
+    know of the drafter."""
+
+    costs: StepCosts | None = None  # measure verify and draft costs and cap depths by them (load_control.py,
+    # with `depth.load_adaptive`); None: depth by acceptance alone
+    drafts_sampled: bool = True  # the drafter samples under sampling: sampled requests keep their acceptance-only
+    # depth (reproducible tokens)
+    lookup_quotes: PromptLookupDrafter | None = None  # beside a draft model, sequences quoting their context draft
+    # by this lookup instead (`DrafterConfig.lookup_quotes`)
+
+
 class SpeculativeDecoder:
     """Owns the target runner's rows; the router of one target replica in miniature."""
 
@@ -51,21 +64,19 @@ class SpeculativeDecoder:
         depth: DepthConfig,
         eos_ids: frozenset[int] = frozenset(),
         decode: Callable[[list[int]], str] | None = None,
-        costs: StepCosts | None = None,
-        drafts_sampled: bool = True,
-        lookup_quotes: PromptLookupDrafter | None = None,
+        planning: Planning | None = None,
     ) -> None:
-        """`costs`: measure verify and draft costs and cap depths by them (load_control.py, with
-        `depth.load_adaptive`); None: depth by acceptance alone. `drafts_sampled`: the drafter samples
-        drafts under sampling, so sampled requests keep their acceptance-only depth (reproducible tokens).
-        `lookup_quotes`: beside a draft model, sequences quoting their context draft by this lookup
-        instead (`DrafterConfig.lookup_quotes`)."""
+        """`planning`: measured costs and the drafter's facts the load planner weighs (None: `Planning()`,
+        depth by acceptance alone)."""
+        planning = planning or Planning()
         self.target = target
         self.drafter = drafter
         self.depth = depth if drafter is not None else depth.model_copy(update={"max_depth": 0})
-        lookup = drafter if isinstance(drafter, PromptLookupDrafter) else lookup_quotes
-        quoting = lookup_quotes is not None
-        self.speculation = Speculation(self.depth, costs, drafts_sampled, lookup, quoting, eos_ids, decode)
+        quotes = planning.lookup_quotes
+        lookup = drafter if isinstance(drafter, PromptLookupDrafter) else quotes
+        self.speculation = Speculation(
+            self.depth, planning.costs, planning.drafts_sampled, lookup, quotes is not None, eos_ids, decode
+        )
         self.active: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []
         self._ids = itertools.count()

@@ -40,6 +40,7 @@ class _Forward:
     parents: list[list[int]]
     logits_at: list[list[int]]  # the tree's nodes (none while prefilling)
     offsets: list[int]  # per item: catch-up tokens before its root
+    firsts: list[int]  # per item: the position of its row's first column (the tokens its cache holds)
     prefilling: dict[int, int]  # runner row -> catch-up tokens it gets (no tree: still prefilling)
 
 
@@ -109,29 +110,27 @@ class TargetVerifier:
         verdicts, keep = self._verdicts(items, rows, forward, logits)
         self.runner.commit(keep)
         if self.heads is not None and hidden is not None:
-            verdicts = self._draft(items, rows, missing, verdicts, keep, hidden, gather)
+            verdicts = self._draft(items, rows, forward, verdicts, keep, hidden)
         return verdicts
 
     def _draft(
         self,
         items: list[VerifyItem],
         rows: list[int],
-        missing: list[list[int]],
+        forward: _Forward,
         verdicts: list[Verdict],
         keep: list[list[int]],
         hidden: torch.Tensor,  # [P', H] every column's last hidden state, rows packed
-        gather: list[list[int]],
     ) -> list[Verdict]:
         """Hand the heads each row's kept hidden states; the trees they draft go in `drafted` and ride on
         the verdicts (a row still prefilling drafts none)."""
         assert self.heads is not None
-        starts = row_offsets([len(g) for g in gather])
+        starts = row_offsets([len(t) for t in forward.tokens])  # the heads' forward gathers every column
         inputs = []
-        for item, row, miss, verdict in zip(items, rows, missing, verdicts, strict=True):
+        for item, row, first, verdict in zip(items, rows, forward.firsts, verdicts, strict=True):
             at = torch.tensor([starts[row] + c for c in keep[row]], dtype=torch.long, device=hidden.device)
-            start = len(item.tokens) - len(miss)  # position of the row's first column
             tokens = (*item.tokens, *verdict.tokens)
-            inputs.append(HeadInput(item.seq_id, tokens, start, hidden[at], bool(verdict.tokens)))
+            inputs.append(HeadInput(item.seq_id, tokens, first, hidden[at], bool(verdict.tokens)))
         out = list(verdicts)
         for k, (given, tree) in enumerate(zip(inputs, self.heads.advance(inputs), strict=True)):
             if tree is not None:
@@ -142,10 +141,18 @@ class TargetVerifier:
     def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:
         """Each row's catch-up chain with its tree hung after it, within the prefill chunk."""
         width = len(self.runner.rows)
-        forward = _Forward([[] for _ in range(width)], [[] for _ in range(width)], [[] for _ in range(width)], [], {})
+        forward = _Forward(
+            tokens=[[] for _ in range(width)],
+            parents=[[] for _ in range(width)],
+            logits_at=[[] for _ in range(width)],
+            offsets=[],
+            firsts=[],
+            prefilling={},
+        )
         budget = self.prefill_chunk if self.prefill_chunk is not None else sum(len(m) for m in missing)
         for item, row, miss in zip(items, rows, missing, strict=True):
             off = len(miss) - 1  # catch-up tokens before the root
+            forward.firsts.append(len(item.tokens) - len(miss))
             if off > budget:
                 chunk = forward.prefilling[row] = budget
                 budget = 0

@@ -27,7 +27,7 @@ from deploy.front.frontdoor import FrontDoor, FrontDoorConfig
 from deploy.front.grpc_ingress import GrpcIngress
 from deploy.openai.http_ingress import OpenAIIngress
 from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import drafter_config
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
 from speculative.rules.grammar import GrammarCompiler
@@ -98,7 +98,7 @@ class FrontRouter:
     ) -> None:
         """`grammars`: the tokenizer's grammar compiler, for requests with structured output (target and draft)."""
         self.vocab = int(target.config.vocab_size)
-        drafter = build_drafter(DrafterConfig(kind="model"), draft, self.vocab, grammars)
+        drafter = drafter_config(kind="model").build(draft, self.vocab, grammars)
         verifier = TargetVerifier(ModelRunner(target), grammars=grammars)
         self.decoder = SpeculativeDecoder(verifier, drafter, DepthConfig(), eos_ids, decode)
         self.eos_ids = eos_ids

@@ -15,9 +15,9 @@ from transformers import PreTrainedModel
 
 from bench.gpu.forward_cost import forward_costs, sync
 from bench.gpu.oracle import OracleDrafter
-from speculative.decoder import SpeculativeDecoder
+from speculative.decoder import Planning, SpeculativeDecoder
 from speculative.drafters.base import Drafter, DraftRequest, Proposal
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import drafter_config
 from speculative.engine.runner import ModelRunner
 from speculative.planning.costs import StepCosts
 from speculative.planning.depth import DepthConfig, expected_tokens
@@ -63,7 +63,7 @@ def run_decoder(
     adaptive = DepthConfig(adaptive=load_adaptive, max_depth=k, draft_cost=0.0)
     costs = StepCosts(adaptive) if load_adaptive else None
     traced = TracedDrafter(drafter, costs) if drafter is not None else None
-    decoder = SpeculativeDecoder(TargetVerifier(ModelRunner(bench.target)), traced, adaptive, costs=costs)
+    decoder = SpeculativeDecoder(TargetVerifier(ModelRunner(bench.target)), traced, adaptive, planning=Planning(costs))
     sync(bench.device)
     start = time.perf_counter()
     seqs: list[Sequence] = decoder.generate(prompts, bench.params)
@@ -191,7 +191,7 @@ def draft_cost(
     for k in sorted({r["k"] for r in measured}):
         if time.monotonic() > deadline:
             break
-        drafter = build_drafter(DrafterConfig(kind="model"), bench.draft, bench.vocab)
+        drafter = drafter_config(kind="model").build(bench.draft, bench.vocab)
         run = run_decoder(bench, drafter, k, prompts[:1])  # random draft: acceptance ~0, but D per step is real
         d = run["draft_s"]
         verify = [r["V_ms"] / 1e3 for r in measured if r["k"] == k]

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from speculative.drafters.config import DrafterConfig
+from speculative.drafters.config import drafter_config
 from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
 
@@ -20,9 +20,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     print(f"loading target {args.target} and draft {args.draft} ({args.dtype})...", file=sys.stderr)
-    models = LocalModels.load(args.target, args.draft if args.drafter == "model" else None, args.dtype)
+    shape = {"tree_width": args.tree_width, "tree_nodes": args.tree_nodes}
+    drafter = drafter_config(kind=args.drafter, **(shape if args.drafter == "model" else {}))
+    models = LocalModels.load(args.target, args.draft if drafter.needs_draft_model else None, args.dtype)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    drafter = DrafterConfig(kind=args.drafter, tree_width=args.tree_width, tree_nodes=args.tree_nodes)
     decoder = models.decoder(drafter, DepthConfig(max_depth=args.max_depth))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompt = models.chat_prompt(args.prompt)

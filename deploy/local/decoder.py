@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from modelstore import resolve
-from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter, drafter_heads
+from speculative.decoder import Planning, SpeculativeDecoder
+from speculative.drafters.config import DrafterConfig
 from speculative.drafters.heads import TreeDrafter, TreeHeads
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.engine.loading import LoadedModel, chat_ids, load_model
@@ -42,20 +42,23 @@ class LocalModels:
         tokenizer = self.tokenizer
         draft_tokenizer = self.draft.tokenizer if self.draft is not None else None
         draft_grammars = GrammarCompiler.lazy(lambda: draft_tokenizer) if draft_tokenizer is not None else None
-        heads = self._heads(drafter)  # medusa, eagle: heads beside the target draft, no draft model
+        heads = self._heads(drafter)  # heads beside the target draft (medusa, eagle), no draft model
+        ngrams = drafter.lookup_ngrams
         grammars = GrammarCompiler.lazy(lambda: tokenizer)
         verifier = TargetVerifier(target_runner, grammars=grammars, heads=heads(target_runner) if heads else None)
         return SpeculativeDecoder(
             verifier,
             TreeDrafter(verifier.drafted)
             if heads
-            else build_drafter(drafter, draft_model, target_runner.vocab_size, draft_grammars),
+            else drafter.build(draft_model, target_runner.vocab_size, draft_grammars),
             depth,
             eos_ids=self.target.eos_ids,
             decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-            costs=costs,
-            drafts_sampled=drafter.drafts_sampled,
-            lookup_quotes=PromptLookupDrafter(drafter.max_ngram, drafter.min_ngram) if drafter.lookup_quotes else None,
+            planning=Planning(
+                costs,
+                drafter.drafts_sampled,
+                PromptLookupDrafter(*ngrams) if drafter.quotes_in_router and ngrams else None,
+            ),
         )
 
     def _heads(self, drafter: DrafterConfig) -> Callable[[ModelRunner], TreeHeads] | None:
@@ -64,7 +67,7 @@ class LocalModels:
             return None
         key = drafter.model_dump_json()
         if key not in self.heads:
-            self.heads[key] = drafter_heads(drafter, self.target.model)
+            self.heads[key] = drafter.build_heads(self.target.model)
         return self.heads[key]
 
     def chat_prompt(self, user: str) -> list[int]:

@@ -32,7 +32,7 @@ import yaml
 
 from modelstore import REGISTRY, fetch
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "local.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "local.yaml"  # deploy/local.yaml
 METRICS_PORT = 8080  # Prometheus endpoint of Ray's metrics agent: the port the cluster and k8s/ use
 
 

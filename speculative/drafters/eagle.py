@@ -21,7 +21,7 @@ vocab_size, num_hidden_layers; `qkv_bias` for Qwen2 targets, `bias` for fc) and
 `layers.{i}.input_layernorm.weight` for i > 0 (layer 0 reads fc's output as it is) and optionally
 `embed_tokens.weight` (a copy of the target's, not used: the target's own is).
 
-Runs on the target replica (`TargetConfig.eagle`): the features never leave it, and the head shares
+Runs on the target replica (`TargetConfig.heads`): the features never leave it, and the head shares
 the target's embedding and LM head in memory, where a draft pool would need copies of both and the
 features of every accepted token shipped to it; the price is that drafting adds to the verify call.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -236,55 +236,44 @@ def confidence_tree(root: int, first: torch.Tensor, expand: Expand, top_k: int, 
     `expand` those of the children of the candidates given (by index into the candidates' tokens and
     parents, parent -1 the root). The `top_k` best candidates of each depth are expanded, `depth` levels
     in all, and the `nodes` best of all candidates make the tree (ties: the shallower, then the earlier)."""
-    tokens: list[int] = []
-    parents: list[int] = []  # candidate index of each candidate's parent, -1 the root
-    scores: list[float] = []
-    depths: list[int] = []
+    c = _Candidates()
     best = first.float().topk(min(top_k, len(first)))
-    frontier = _add(
-        tokens, parents, scores, depths, best.values.tolist(), best.indices.tolist(), [-1] * len(best.indices)
-    )
+    frontier = c.add(best.values.tolist(), best.indices.tolist(), [-1] * len(best.indices))
     for _ in range(depth - 1):
-        logp = expand(frontier, tokens, parents).float()  # [F, V]
-        base = torch.tensor([scores[c] for c in frontier])[:, None]
+        logp = expand(frontier, c.tokens, c.parents).float()  # [F, V]
+        base = torch.tensor([c.scores[i] for i in frontier])[:, None]
         top = (logp + base).topk(min(top_k, logp.shape[1]), dim=-1)  # [F, k] per frontier candidate
-        new = _add(
-            tokens,
-            parents,
-            scores,
-            depths,
-            top.values.flatten().tolist(),
-            top.indices.flatten().tolist(),
-            [c for c in frontier for _ in range(top.indices.shape[1])],
-        )
-        frontier = sorted(new, key=lambda c: (-scores[c], c))[:top_k]
-    order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))[:nodes]
+        parents = [i for i in frontier for _ in range(top.indices.shape[1])]
+        new = c.add(top.values.flatten().tolist(), top.indices.flatten().tolist(), parents)
+        frontier = sorted(new, key=lambda i: (-c.scores[i], i))[:top_k]
+    order = sorted(range(len(c.tokens)), key=lambda i: (-c.scores[i], c.depths[i], i))[:nodes]
     chosen = set(order)
-    kept = sorted((c for c in order if _rooted(c, parents, chosen)), key=lambda c: (depths[c], c))
-    index = {-1: 0, **{c: i + 1 for i, c in enumerate(kept)}}
-    return TokenTree(root, tuple(tokens[c] for c in kept), tuple(index[parents[c]] for c in kept))
+    kept = sorted((i for i in order if _rooted(i, c.parents, chosen)), key=lambda i: (c.depths[i], i))
+    index = {-1: 0, **{i: n + 1 for n, i in enumerate(kept)}}
+    return TokenTree(root, tuple(c.tokens[i] for i in kept), tuple(index[c.parents[i]] for i in kept))
 
 
-def _add(
-    tokens: list[int],
-    parents: list[int],
-    scores: list[float],
-    depths: list[int],
-    new_scores: list[float],
-    new_tokens: list[int],
-    new_parents: list[int],
-) -> list[int]:
-    """Append candidates (none with a -inf score: a token the draft rules out); their indices."""
-    added = []
-    for score, token, parent in zip(new_scores, new_tokens, new_parents, strict=True):
-        if math.isinf(score):
-            continue
-        added.append(len(tokens))
-        tokens.append(int(token))
-        parents.append(parent)
-        scores.append(float(score))
-        depths.append(depths[parent] + 1 if parent >= 0 else 1)
-    return added
+@dataclass
+class _Candidates:
+    """The dynamic tree's candidates so far, one row per candidate across the four lists."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # candidate index of each candidate's parent, -1 the root
+    scores: list[float] = field(default_factory=list)  # sum of the draft's log-probs along the path
+    depths: list[int] = field(default_factory=list)  # the root's children 1
+
+    def add(self, scores: list[float], tokens: list[int], parents: list[int]) -> list[int]:
+        """Append candidates (none with a -inf score: a token the draft rules out); their indices."""
+        added = []
+        for score, token, parent in zip(scores, tokens, parents, strict=True):
+            if math.isinf(score):
+                continue
+            added.append(len(self.tokens))
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.scores.append(float(score))
+            self.depths.append(self.depths[parent] + 1 if parent >= 0 else 1)
+        return added
 
 
 def _rooted(c: int, parents: list[int], chosen: set[int]) -> bool:

@@ -34,6 +34,20 @@ class _Node:
     probs: torch.Tensor | None = None  # [V] q at this node once expanded (sampled drafts)
 
 
+@dataclass(frozen=True)
+class DraftShape:
+    """The shape of a draft model's proposals."""
+
+    tree_width: int = 1  # children per expanded node, and nodes expanded per depth; 1 drafts a chain
+    tree_nodes: int = 64  # most draft nodes in one tree
+    sampled: bool = True  # under sampling: children drawn from q (rejection rule), not top-k
+    catch_up_chunk: int = 512  # most tokens a row catches up on per forward
+
+    def __post_init__(self) -> None:
+        if self.tree_width < 1 or self.tree_nodes < 1 or self.catch_up_chunk < 1:
+            raise ValueError("tree_width, tree_nodes and catch_up_chunk must be >= 1")
+
+
 class DraftModelDrafter:
     """Chain (`tree_width=1`) or confidence-shaped tree drafts from a smaller causal LM."""
 
@@ -41,26 +55,21 @@ class DraftModelDrafter:
         self,
         runner: ModelRunner,
         target_vocab: int,
-        tree_width: int = 1,
-        tree_nodes: int = 64,
-        sampled: bool = True,
-        catch_up_chunk: int = 512,
+        shape: DraftShape = DraftShape(),
         eos_ids: frozenset[int] = frozenset(),
         grammars: GrammarCompiler | None = None,
     ) -> None:
-        """`catch_up_chunk`: most tokens a row catches up on per forward (a long prompt takes several, so
-        no forward holds attention over more than that many new tokens). `eos_ids`: end tokens, banned
-        before a request's `min_tokens` as the target bans them. `grammars`: the draft tokenizer's grammar
-        compiler, masking q as the target's grammar masks p (better acceptance); None drafts unmasked."""
-        if tree_width < 1 or tree_nodes < 1:
-            raise ValueError("tree_width and tree_nodes must be >= 1")
+        """`shape.catch_up_chunk`: a long prompt catches up over several forwards, so no forward holds
+        attention over more new tokens than that. `eos_ids`: end tokens, banned before a request's
+        `min_tokens` as the target bans them. `grammars`: the draft tokenizer's grammar compiler, masking q
+        as the target's grammar masks p (better acceptance); None drafts unmasked."""
         self.runner = runner
         self.vocab = min(target_vocab, runner.vocab_size)  # ids both models can emit
         self.target_vocab = target_vocab
-        self.width = tree_width  # children per expanded node, and nodes expanded per depth
-        self.max_nodes = tree_nodes  # most draft nodes in one tree
-        self.sampled = sampled  # under sampling: children drawn from q (rejection rule), not top-k
-        self.catch_up_chunk = catch_up_chunk
+        self.width = shape.tree_width
+        self.max_nodes = shape.tree_nodes
+        self.sampled = shape.sampled
+        self.catch_up_chunk = shape.catch_up_chunk
         self.eos_ids = eos_ids
         self.grammars = grammars
 

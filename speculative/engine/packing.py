@@ -138,7 +138,7 @@ def packed_attention(
         everyone = len(g.rows) == p.rows  # (rows ascending: then the batch as it is)
         k, v = (key, value) if everyone else (key[g.rows], value[g.rows])
         fold = groups if groups > 1 and g.width > 1 and kwargs.get("position_bias") is None else 1
-        o = _attend(module, g.scatter(query), k, v, p.group_mask(i, fold), fold, **kwargs)  # [b, m, heads, D]
+        o = _attend(module, g.scatter(query), (k, v), p.group_mask(i, fold), fold, **kwargs)  # [b, m, heads, D]
         outputs.append(o.reshape(-1, *o.shape[2:]))  # [b * m, heads, D]
     if len(p.groups) == 1 and p.groups[0].target is None:  # no pads: already the packed order
         return outputs[0][None], None
@@ -160,8 +160,7 @@ class _OneHeadPerKv:
 def _attend(
     module: torch.nn.Module,
     query: torch.Tensor,  # [b, heads, m, D]
-    key: torch.Tensor,  # [b, kv_heads, C, D]
-    value: torch.Tensor,  # [b, kv_heads, C, D]
+    kv: tuple[torch.Tensor, torch.Tensor],  # key, value: [b, kv_heads, C, D] each
     mask: torch.Tensor,  # [b, 1, groups * m, C]: each query's mask row, repeated per folded head
     groups: int,  # query heads per KV head to fold (1: no folding)
     **kwargs: Any,
@@ -173,6 +172,7 @@ def _attend(
     one KV head's group become one longer query row set, [b, kv, g * m, D], each with its own mask row.
     """
     b, heads, m, dim = query.shape
+    key, value = kv
     if groups == 1:
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
     folded = query.reshape(b, heads // groups, groups * m, dim)  # head kv * g + r, query i -> row r * m + i

@@ -26,8 +26,9 @@ each token). Sampled drafts are not pre-drafted: their committed tokens depend o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from speculative.drafters.base import DraftRequest, Proposal
-from speculative.rules.sampling import SamplingParams
 from speculative.rules.tree import TokenTree
 
 
@@ -45,20 +46,15 @@ def assumed_path(tree: TokenTree) -> list[int]:
 
 
 def ahead_request(
-    seq_id: str,
-    tokens: tuple[int, ...],
-    tree: TokenTree,
-    depth: int,
-    params: SamplingParams,
-    prompt_len: int = 0,
-    alternatives: int = 0,
-    deadline_s: float | None = None,
+    base: DraftRequest, tree: TokenTree, alternatives: int = 0, deadline_s: float | None = None
 ) -> DraftRequest:
-    """The pre-draft for round N+1: `tokens` (committed) plus the assumed path as its spine, drafting the
-    guess and `depth` levels under it, and under each of `alternatives` branches where the spine may be cut;
-    no level started that would end past `deadline_s` (`DraftRequest.deadline_s`)."""
+    """The pre-draft for round N+1 from `base`, the request round N+1 would make of round N's committed
+    tokens (`base.budget`: its depth): the assumed path of `tree` (round N's draft) as its spine, drafting
+    the guess and `base.budget` levels under it, and under each of `alternatives` branches where the spine
+    may be cut; no level started that would end past `deadline_s` (`DraftRequest.deadline_s`)."""
     path = assumed_path(tree)
-    return DraftRequest(seq_id, (*tokens, *path), depth + 1, params, prompt_len, len(path), alternatives, deadline_s)
+    tokens, budget, spine = (*base.tokens, *path), base.budget + 1, len(path)
+    return replace(base, tokens=tokens, budget=budget, spine=spine, alternatives=alternatives, deadline_s=deadline_s)
 
 
 def take_ahead(pre: Proposal, committed: tuple[int, ...]) -> Proposal | None:

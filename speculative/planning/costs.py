@@ -1,7 +1,7 @@
 """What a lane's rounds cost: verify and draft seconds learned online, and how far rounds deliver
 what their plans expected.
 
-`StepCosts.round_seconds` prices a round that drafts d_i tokens for sequence i:
+`StepCosts.round_seconds` prices a round that drafts d_i tokens for sequence i (row i, `rows.DraftRow`):
 
     cost(d) = V(sum_i (1 + w * d_i)) + D(n, max_i d_i) + C * sum_{d_i > 0} c_i
               (max(V, D + C * ...) when the draft call overlaps the verify forward)
@@ -47,6 +47,7 @@ CATCH_UP_MEASURED = 8  # catch-up tokens in a draft call from which it prices ca
 SPREAD = 1.5  # cost-curve points closer in size than this factor are averaged (their slope is noise)
 
 if TYPE_CHECKING:
+    from speculative.planning.rows import DraftRow, RoundShape
     from speculative.planning.sequence import Sequence
 
 
@@ -163,8 +164,7 @@ class StepCosts:
             else:
                 pooled = self.pooled_by_match.get(run, (0.0, 0.0))
                 self.pooled_by_match[run] = tally(*pooled, self.config.pooled_memory, proposed, kept)
-                own = seq.stats.lookup_tally.get(run, (0.0, 0.0))
-                seq.stats.lookup_tally[run] = tally(*own, self.config.memory, proposed, kept)
+                seq.stats.tally_lookup(run, proposed, kept, self.config.memory)
 
     def observe_round(self, predicted: Planned | None, tokens: int) -> None:
         """A round ended with `tokens` committed; `predicted`: its plan's `Plan.predicted` (None: plain,
@@ -230,27 +230,26 @@ class StepCosts:
         memory = self.config.cost_memory
         self.nodes_per_depth = memory * self.nodes_per_depth + (1 - memory) * max(width, 1.0)
 
-    def round_seconds(
-        self, depths: list[int], overlapped: bool, catch: list[float], free: list[bool], extra: int = 0
-    ) -> float:
-        """Predicted seconds of a round drafting `depths`, `catch` tokens of catch-up per drafting sequence
-        (`free`: drafts by prompt lookup; `extra`: draft forwards beyond the deepest depth)."""
+    def round_seconds(self, rows: Seq[DraftRow], depths: Seq[int], shape: RoundShape) -> float:
+        """Predicted seconds of a round drafting `depths` ([n], one per row), each drafting row's `catch_up`
+        charged (`free` rows: drafts by prompt lookup or heads; `shape.extra_levels`: draft forwards beyond
+        the deepest depth; `shape.overlapped`: the draft call runs beside the verify)."""
         # lookup drafts chains; the draft model `nodes_per_depth` nodes per unit of depth
-        nodes = (d if f else round(self.nodes_per_depth * d) for d, f in zip(depths, free, strict=True))
+        nodes = (d if r.free else round(self.nodes_per_depth * d) for r, d in zip(rows, depths, strict=True))
         verify = self.verify(sum(1 + x for x in nodes)) or 0.0
-        draft = self.draft_seconds(depths, catch, free, extra) * self.draft_calibration
-        return max(verify, draft) if overlapped else verify + draft
+        draft = self.draft_seconds(rows, depths, shape.extra_levels) * self.draft_calibration
+        return max(verify, draft) if shape.overlapped else verify + draft
 
-    def draft_seconds(self, depths: list[int], catch: list[float], free: list[bool], extra: int = 0) -> float:
-        """The draft call's seconds by the curves (uncalibrated): a round over the sequences the draft model
-        drafts (not those drafting by lookup: `free`), `extra` forwards beyond the deepest depth."""
-        modelled = [d if not f else 0 for d, f in zip(depths, free, strict=True)]
+    def draft_seconds(self, rows: Seq[DraftRow], depths: Seq[int], extra: int = 0) -> float:
+        """The draft call's seconds by the curves (uncalibrated): a round over the rows the draft model
+        drafts (not the `free` ones), `extra` forwards beyond the deepest depth."""
+        modelled = [d if not r.free else 0 for r, d in zip(rows, depths, strict=True)]
         drafting = sum(1 for d in modelled if d)
         if not drafting:
             return 0.0
         draft = (self.draft_step(drafting) or 0.0) * (max(modelled) + extra)
         if self.draft_token:
-            draft += self.draft_token * sum(c for c, d in zip(catch, modelled, strict=True) if d)
+            draft += self.draft_token * sum(r.catch_up for r, d in zip(rows, modelled, strict=True) if d)
         return draft
 
 

@@ -1,7 +1,8 @@
 """One round of speculative decoding, the code the in-process decoder and the router's lanes share.
 
-    plan     depths from the one depth controller, recorded on the sequences; draft requests;
-             prompt lookup's drafts found here (they cost nothing to find)
+    plan     a row per sequence (`rows.DraftRow`), depths for them from the one depth controller
+             (`load_control.plan_depths`), recorded on the sequences; draft requests; prompt
+             lookup's drafts found here (they cost nothing to find)
     propose  the rest by the drafter: the decoder calls it in-process, a lane awaits its draft pool;
              `drafted` observes what that cost
     verify   the target's batched forward: in-process, or awaited from the target pool
@@ -21,8 +22,9 @@ from typing import Protocol
 from speculative.drafters.base import DraftRequest, Proposal
 from speculative.drafters.lookup import PromptLookupDrafter, split_lookup
 from speculative.planning.costs import Planned, StepCosts, verify_tokens
-from speculative.planning.depth import DepthConfig, depth_cap
-from speculative.planning.load_control import Plan, plan_depths, record_plan
+from speculative.planning.depth import DepthConfig
+from speculative.planning.load_control import Plan, plan_depths
+from speculative.planning.rows import RoundShape, draft_rows
 from speculative.planning.sequence import Sequence
 from speculative.rules.logprobs import TokenLogprob
 from speculative.rules.tree import TokenTree
@@ -71,21 +73,11 @@ class Speculation:
         self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False, extra_levels: int = 0
     ) -> Plan:
         """The plan for `seqs` in a micro-batch of `batch` with `queued` verify calls waiting (pure);
-        `extra_levels`: draft forwards beyond the depth (a pre-draft's guess of the bonus token)."""
-        cap = depth_cap(self.config, batch, queued)
-        return plan_depths(
-            seqs,
-            self.config,
-            self.costs,
-            cap,
-            overlapped,
-            self.drafts_sampled,
-            self.lookup,
-            self.lookup_quotes,
-            extra_levels,
-            self.free_drafts,
-            depth_cap(self.config, batch, queued, quote=True),
-        )
+        `extra_levels`: draft forwards beyond the depth (a pre-draft's guess of the bonus token). Priced by
+        the measured costs where `config.load_adaptive` (not sequences whose tokens depend on depth)."""
+        shape = RoundShape.of(self.config, batch, queued, overlapped, extra_levels)
+        priced = self.costs if self.config.load_adaptive else None
+        return plan_depths(draft_rows(seqs, shape, self, priced), shape, priced)
 
     def verify_seconds(self, seqs: Seq[Sequence], trees: Seq[TokenTree]) -> float | None:
         """A verify's predicted seconds over `seqs` with these trees (None: none measured yet)."""
@@ -96,13 +88,21 @@ class Speculation:
     def plan(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Drafting:
         """Plan this round, record it on the sequences, and draft what lookup finds."""
         plan = self.depths(seqs, batch, queued, overlapped)
-        record_plan(seqs, plan, self.lookup_quotes)
+        self.record(seqs, plan)
         requests = [
-            DraftRequest(s.seq_id, tuple(s.tokens), d, s.params, len(s.prompt))
-            for s, d in zip(seqs, plan.depths, strict=True)
+            DraftRequest(s.seq_id, tuple(s.tokens), row.depth, s.params, len(s.prompt))
+            for s, row in zip(seqs, plan.rows, strict=True)
         ]
-        found, modelled = split_lookup(self.lookup, plan.runs, requests)
+        found, modelled = split_lookup(self.lookup, [row.run for row in plan.rows], requests)
         return Drafting(plan, found, modelled)
+
+    def record(self, seqs: Seq[Sequence], plan: Plan) -> None:
+        """The round drafts as planned: which drafter each sequence's verdict is tallied by, and what the draft
+        model has seen of those it drafts (what `catch_up` counts from; a quote beside it: nothing)."""
+        for seq, row in zip(seqs, plan.rows, strict=True):
+            seq.stats.record_drafter(row.run)
+            if row.depth and not (row.run and self.lookup_quotes):
+                seq.stats.record_model_draft(len(seq.tokens), row.catch_up)
 
     def drafted(self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, planned: Planned | None) -> None:
         """The drafter's call for these sequences took `seconds` as the round waited for it."""

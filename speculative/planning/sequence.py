@@ -1,11 +1,17 @@
-"""A sequence in flight: its tokens, sampling parameters, counters and acceptance evidence."""
+"""A sequence in flight: its tokens, sampling parameters, counters and acceptance evidence.
+
+The planner's state on a sequence (what the draft model has seen of it, which drafter its verdicts are
+tallied by, its lookup drafts' tally) is written only by `SequenceStats`'s own methods: the round records
+its plan (`round.Speculation.plan`), a pre-draft what it sent (`actors/round_ahead.py`), settling the
+lookup tally (`costs.StepCosts.observe_verify`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from speculative.planning.depth import Acceptance
+from speculative.planning.depth import Acceptance, tally
 from speculative.rules.logprobs import TokenLogprob
 from speculative.rules.sampling import SamplingParams
 from speculative.rules.stopping import check_stop
@@ -23,6 +29,21 @@ class SequenceStats:
     draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
     lookup_run: int = 0  # prompt lookup: the `run_class` of its last planned draft's match (0: none)
     lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
+
+    def record_drafter(self, run: int) -> None:
+        """Its planned round drafts by a lookup match of run class `run` (0: not by lookup): what its verdict
+        is tallied by."""
+        self.lookup_run = run
+
+    def record_model_draft(self, synced: int, catch_up: int) -> None:
+        """The draft model drafts for it this round, having seen `synced` of its tokens after catching up on
+        `catch_up` beyond a round's worth (what `costs.catch_up` counts from)."""
+        self.draft_synced, self.drafted_at, self.draft_catch_up = synced, self.steps, catch_up
+
+    def tally_lookup(self, run: int, proposed: int, kept: int, memory: float) -> None:
+        """A verdict on its lookup draft of `proposed` tokens from a run-class-`run` match kept `kept`."""
+        own = self.lookup_tally.get(run, (0.0, 0.0))
+        self.lookup_tally[run] = tally(*own, memory, proposed, kept)
 
     @property
     def acceptance_length(self) -> float:

@@ -28,7 +28,7 @@ from speculative.engine.loading import load_model
 from speculative.train import prompts
 from speculative.train.data import Corpus, build_corpus
 from speculative.train.evaluate import acceptance
-from speculative.train.fit import Fitted, eagle_shape, fit_eagle, fit_medusa
+from speculative.train.fit import Budget, Fitted, MedusaFit, eagle_shape, fit_eagle, fit_medusa
 
 RECORD = "training.json"
 
@@ -63,13 +63,14 @@ def main() -> None:
     model: Any = loaded.model
     lm_head = model.get_output_embeddings().weight.detach()
     if args.kind == "medusa":
-        heads, fitted = fit_medusa(corpus, lm_head, args.heads, args.minutes, seed=args.seed)
+        budget = Budget(args.minutes, seed=args.seed)
+        heads, fitted = fit_medusa(corpus, lm_head, budget, MedusaFit(heads=args.heads))
         save_medusa(heads.to(torch.bfloat16), out, args.target)
         trained: Any = heads
     else:
         embed = model.get_input_embeddings().weight.detach()
         shape = eagle_shape(model.config, args.intermediate)
-        trained, fitted = fit_eagle(corpus, embed, lm_head, shape, args.minutes, seed=args.seed)
+        trained, fitted = fit_eagle(corpus, embed, lm_head, shape, Budget(args.minutes, seed=args.seed))
         save_eagle(trained.to(torch.bfloat16), out, args.target)
     record: dict[str, Any] = {
         "kind": args.kind,
@@ -96,7 +97,7 @@ def _corpus(args: argparse.Namespace, loaded: Any, out: Path) -> Corpus:
     path = Path(args.corpus) if args.corpus else out.parent / f"corpus-{hashlib.sha1(key.encode()).hexdigest()[:12]}.pt"
     if path.exists():
         return torch.load(path, weights_only=False)
-    corpus = build_corpus(loaded.model, loaded.tokenizer, prompts.TRAIN, args.answer_tokens, args.text_tokens)
+    corpus = build_corpus(loaded, prompts.TRAIN, args.answer_tokens, args.text_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(corpus, path)
     return corpus

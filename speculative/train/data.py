@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from speculative.engine.loading import chat_ids
+from speculative.engine.loading import LoadedModel, chat_ids
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,14 @@ def observe(model: PreTrainedModel, sequences: list[list[int]]) -> list[Sample]:
 
 
 def build_corpus(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    loaded: LoadedModel,  # the target and its tokenizer
     prompts: list[str],
     answer_tokens: int,
     text_tokens: int,
     window: int = 256,
     seed: int = 0,
 ) -> Corpus:
+    model, tokenizer = loaded.model, loaded.tokenizer
     answers = greedy_answers(model, tokenizer, prompts, answer_tokens)
     text = stdlib_text(tokenizer, text_tokens, window, seed) if text_tokens else []
     return Corpus(observe(model, answers + text), len(answers))

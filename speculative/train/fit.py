@@ -40,8 +40,36 @@ class Fitted:
     positions: int = 0  # training positions seen (with repeats)
 
 
-def _budget(minutes: float, max_steps: int | None, desc: str) -> tuple[Callable[[int], bool], tqdm]:
+@dataclass(frozen=True)
+class Budget:
+    """How long a fit runs, and its seed."""
+
+    minutes: float = 10.0  # wall time; the fit stops at the first step past it
+    max_steps: int | None = None  # or after this many steps (None: the minutes alone)
+    seed: int = 0  # of torch's generator and the sampling of positions
+
+
+@dataclass(frozen=True)
+class MedusaFit:
+    """Medusa's training knobs."""
+
+    heads: int = 3  # head k predicts the token k + 2 ahead
+    batch: int = 64  # positions per step
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True)
+class EagleFit:
+    """EAGLE's training knobs."""
+
+    window: int = 128  # positions of one sequence per step
+    lr: float = 3e-4
+    noise: float = 0.1  # uniform noise on the input features, times their spread
+
+
+def _budget(budget: Budget, desc: str) -> tuple[Callable[[int], bool], tqdm]:
     """A step test that stops at `max_steps` or after `minutes`, and a progress bar over the minutes."""
+    minutes, max_steps = budget.minutes, budget.max_steps
     start, limit = time.perf_counter(), minutes * 60
     bar = tqdm(total=round(limit), desc=desc, unit="s")
 
@@ -56,15 +84,12 @@ def _budget(minutes: float, max_steps: int | None, desc: str) -> tuple[Callable[
 def fit_medusa(
     corpus: Corpus,
     lm_head: torch.Tensor,  # [V, H] the target's LM head weight
-    heads: int = 3,
-    minutes: float = 10.0,
-    max_steps: int | None = None,
-    batch: int = 64,
-    lr: float = 1e-3,
-    seed: int = 0,
+    budget: Budget = Budget(),
+    fit: MedusaFit = MedusaFit(),
 ) -> tuple[MedusaHeads, Fitted]:
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    torch.manual_seed(budget.seed)
+    rng = random.Random(budget.seed)
+    heads, batch = fit.heads, fit.batch
     vocab, hidden = lm_head.shape
     module = MedusaHeads(hidden, vocab, heads)
     each = [cast(nn.Sequential, head) for head in module.medusa_head]
@@ -80,9 +105,9 @@ def fit_medusa(
     index[ids] = torch.arange(len(ids))
     where = [(i, t) for i, s in enumerate(corpus.samples) for t in range(len(s.tokens) - heads - 1)]
     blocks = [p for head in each for p in head[:-1].parameters()]
-    opt = torch.optim.AdamW(blocks, lr=lr)
+    opt = torch.optim.AdamW(blocks, lr=fit.lr)
     fitted = Fitted()
-    go, bar = _budget(minutes, max_steps, "medusa")
+    go, bar = _budget(budget, "medusa")
     start = time.perf_counter()
     while go(fitted.steps):
         picked = [where[rng.randrange(len(where))] for _ in range(batch)]
@@ -129,15 +154,12 @@ def fit_eagle(
     embed: torch.Tensor,  # [V, H] the target's input embedding weight
     lm_head: torch.Tensor,  # [V, H] its LM head weight
     shape: EagleShape,
-    minutes: float = 10.0,
-    max_steps: int | None = None,
-    window: int = 128,
-    lr: float = 3e-4,
-    noise: float = 0.1,
-    seed: int = 0,
+    budget: Budget = Budget(),
+    fit: EagleFit = EagleFit(),
 ) -> tuple[EagleModel, Fitted]:
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    torch.manual_seed(budget.seed)
+    rng = random.Random(budget.seed)
+    window, noise = fit.window, fit.noise
     model = EagleModel(shape).train()
     vocab = lm_head.shape[0]
     ids = corpus.vocabulary()
@@ -146,9 +168,9 @@ def fit_eagle(
     index[ids] = torch.arange(len(ids))
     usable = [s for s in corpus.samples if len(s.tokens) >= 3]
     scale = torch.cat([s.features[:64].float() for s in usable]).std()  # the features' spread, for the noise
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=fit.lr)
     fitted = Fitted()
-    go, bar = _budget(minutes, max_steps, "eagle")
+    go, bar = _budget(budget, "eagle")
     start = time.perf_counter()
     while go(fitted.steps):
         s = usable[rng.randrange(len(usable))]

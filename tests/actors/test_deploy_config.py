@@ -26,14 +26,41 @@ def test_yaml_is_a_serve_config_whose_args_build(path: Path) -> None:
 
 
 def test_a_draft_pool_only_for_a_draft_model() -> None:
-    """Prompt lookup is drafted by the router: a draft pool would hold replicas (GPUs) no call reaches."""
+    """Prompt lookup is drafted by the router: a draft pool would hold replicas (GPUs) no call reaches. A
+    hybrid drafts by lookup and its model in the draft pool."""
     for kind in ("lookup", "none"):
         args = {"target_model": "t", "drafter": {"kind": kind}, "draft_pool": {"num_gpus": 1}}
         config = AppConfig.model_validate(args)
         assert config.draft_worker() is None
-    config = AppConfig.model_validate({"target_model": "t", "draft_model": "d"})
-    worker = config.draft_worker()
-    assert worker is not None and worker.model is not None and worker.model.path == "d"
+    for drafter in ({}, {"kind": "hybrid"}):
+        config = AppConfig.model_validate({"target_model": "t", "draft_model": "d", "drafter": drafter})
+        worker = config.draft_worker()
+        assert worker is not None and worker.model is not None and worker.model.path == "d"
+        assert worker.drafter == config.drafter and config.target().heads is None
+    with pytest.raises(ValidationError, match="draft_model: drafter kind 'hybrid' needs a draft model"):
+        AppConfig.model_validate({"target_model": "t", "drafter": {"kind": "hybrid"}})
+
+
+def test_each_kind_takes_only_its_own_fields() -> None:
+    """The YAML shape of every kind validates; a field of another kind is an error naming it."""
+    shapes = [
+        {"tree_width": 2, "tree_nodes": 8, "sampled": False, "lookup_quotes": False},
+        {"kind": "hybrid", "tree_width": 2, "max_ngram": 4, "min_ngram": 2},
+        {"kind": "lookup", "max_ngram": 4, "min_ngram": 2},
+        {"kind": "medusa", "medusa_heads": "/h", "medusa_choices": [[0], [1], [0, 0]], "medusa_top": 2},
+        {"kind": "eagle", "eagle_head": "/h", "eagle_top_k": 2, "eagle_depth": 3, "eagle_nodes": 8},
+        {"kind": "none"},
+    ]
+    for shape in shapes:
+        config = AppConfig.model_validate({"target_model": "t", "draft_model": "d", "drafter": shape})
+        assert config.drafter.kind == shape.get("kind", "model")
+        assert (config.target().heads is not None) == (config.drafter.runs_on == "target")
+    for shape, field in (
+        ({"kind": "lookup", "tree_width": 2}, "tree_width"),
+        ({"kind": "eagle", "eagle_head": "/h", "medusa_top": 2}, "medusa_top"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            AppConfig.model_validate({"target_model": "t", "drafter": shape})
 
 
 def test_lookup_quotes_hold_beside_a_draft_model_alone() -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from actors.config import EagleHeadConfig, MedusaHeadsConfig, ModelConfig, RouterConfig, TargetConfig
+from actors.config import ModelConfig, RouterConfig, TargetConfig
 from actors.pools import LocalPool
 from actors.router import Router
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
-from speculative.drafters.config import DrafterConfig
+from speculative.drafters.config import drafter_config
 from speculative.drafters.eagle import save_eagle
 from speculative.drafters.medusa import save_medusa
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
@@ -30,12 +30,18 @@ from tests.tiny_models import eagle_for, heads_for
 
 @pytest.fixture(scope="module", params=["medusa", "eagle"])
 def heads(request: pytest.FixtureRequest, tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The target config's field for these heads, saved in their published layout."""
+    """The target config's heads (the drafter config of their kind), saved in their published layout."""
     target = AutoModelForCausalLM.from_pretrained(tiny_pair.target)
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "medusa":
-        return {"medusa": MedusaHeadsConfig(path=str(save_medusa(heads_for(target), folder, tiny_pair.target)))}
-    return {"eagle": EagleHeadConfig(path=str(save_eagle(eagle_for(target), folder, tiny_pair.target)))}
+        return {
+            "heads": drafter_config(
+                kind="medusa", medusa_heads=str(save_medusa(heads_for(target), folder, tiny_pair.target))
+            )
+        }
+    return {
+        "heads": drafter_config(kind="eagle", eagle_head=str(save_eagle(eagle_for(target), folder, tiny_pair.target)))
+    }
 
 
 def heads_router(target_path: str, heads: dict, **router: object) -> Router:
@@ -77,26 +83,27 @@ def test_heads_that_do_not_fit_the_target_are_refused(tiny_pair: TinyPair, tmp_p
         head[-1].weight.data = head[-1].weight.data[:-1]
     folder = save_medusa(wrong, tmp_path / "heads")
     config = TargetConfig(
-        model=ModelConfig(path=tiny_pair.target, dtype="float32"), medusa=MedusaHeadsConfig(path=str(folder))
+        model=ModelConfig(path=tiny_pair.target, dtype="float32"),
+        heads=drafter_config(kind="medusa", medusa_heads=str(folder)),
     )
-    with pytest.raises(ValueError, match=r"medusa\.path"):
+    with pytest.raises(ValueError, match=r"medusa_heads .* vocabulary"):
         TargetShard(config, 0).load()
     eagle = eagle_for(target)
     eagle.shape = replace(eagle.shape, vocab=eagle.shape.vocab + 1)  # a head for another vocabulary
     config = TargetConfig(
         model=ModelConfig(path=tiny_pair.target, dtype="float32"),
-        eagle=EagleHeadConfig(path=str(save_eagle(eagle, tmp_path / "eagle"))),
+        heads=drafter_config(kind="eagle", eagle_head=str(save_eagle(eagle, tmp_path / "eagle"))),
     )
-    with pytest.raises(ValueError, match=r"eagle\.path .* vocabulary"):
+    with pytest.raises(ValueError, match=r"eagle_head .* vocabulary"):
         TargetShard(config, 0).load()
 
 
 def test_drafter_kinds_on_the_target_need_their_heads() -> None:
     with pytest.raises(ValueError, match="eagle_head"):
-        DrafterConfig(kind="eagle")
+        drafter_config(kind="eagle")
     with pytest.raises(ValueError, match="medusa_heads"):
-        DrafterConfig(kind="medusa")
+        drafter_config(kind="medusa")
     with pytest.raises(ValueError, match="medusa_top"):
-        DrafterConfig(kind="medusa", medusa_heads="/x", medusa_choices=((0,), (5,)), medusa_top=4)
+        drafter_config(kind="medusa", medusa_heads="/x", medusa_choices=((0,), (5,)), medusa_top=4)
     with pytest.raises(ValueError, match="prefix"):
-        DrafterConfig(kind="medusa", medusa_heads="/x", medusa_choices=((0, 1),))
+        drafter_config(kind="medusa", medusa_heads="/x", medusa_choices=((0, 1),))

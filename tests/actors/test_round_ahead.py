@@ -12,11 +12,11 @@ from actors.config import RouterConfig
 from actors.draft_calls import DraftCalls
 from actors.metrics import RouterMetrics
 from actors.records import Live
-from actors.round_ahead import PreDraft, RoundAhead, Settled
+from actors.round_ahead import Ahead, PreDraft, RoundAhead, Settled
 from actors.router import Router
 from actors.wire import Drafted, WireProposal, Work
 from speculative.drafters.base import Proposal
-from speculative.drafters.config import DrafterConfig
+from speculative.drafters.config import drafter_config
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.planning.depth import DepthConfig
 from speculative.planning.round import Speculation
@@ -137,7 +137,7 @@ def test_round_ahead_on_and_off_give_the_same_tokens(tiny_pair: TinyPair) -> Non
     cases = [
         ({"temperature": 0.0}, None),
         ({"temperature": 0.9, "top_k": 30, "seed": 5}, None),
-        ({"temperature": 0.9, "top_k": 30, "seed": 5}, DrafterConfig(sampled=False)),
+        ({"temperature": 0.9, "top_k": 30, "seed": 5}, drafter_config(sampled=False)),
     ]
     for sampling, drafter in cases:
         on = make_router(tiny_pair, drafter=drafter, round_ahead=True, drafts_sampled=drafter is None)
@@ -227,7 +227,7 @@ def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:
         live.seq.stats.steps = 5
         task = asyncio.get_running_loop().create_future()
         task.set_result(Drafted([WireProposal.encode(Proposal(pre_tree))], Work(0.0, 0.1), "d"))
-        pre = PreDraft(0, task, [live], [[8, 9]], [], [2])  # type: ignore[arg-type]
+        pre = PreDraft(0, task, [Ahead(live, [8, 9], 2)], [])  # type: ignore[arg-type]
         return live, await ahead.settle(pre, {"s": live}, 1.0, {"s": verdict})
 
     passage = [*range(50, 60), 7, 8, 9, 10, *range(60, 80)]
@@ -277,7 +277,7 @@ def test_a_pre_draft_for_a_sequence_the_verdict_ended_is_neither_hit_nor_miss() 
         live.seq.finish_reason = "length" if finished else None
         task = asyncio.get_running_loop().create_future()
         task.set_result(Drafted([WireProposal.encode(Proposal(pre_tree))], Work(0.0, 0.1), "d"))
-        pre = PreDraft(0, task, [live], [[8, 9]], [], [2])  # type: ignore[arg-type]
+        pre = PreDraft(0, task, [Ahead(live, [8, 9], 2)], [])  # type: ignore[arg-type]
         return await ahead.settle(pre, {"s": live}, 1.0, {"s": (8, 9, 10)})
 
     going, ended = asyncio.run(settle(False)), asyncio.run(settle(True))

@@ -15,7 +15,7 @@ from actors.router import Overloaded, Router, StreamTimeout
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from actors.wire import WireProposal, WireVerifyItem, Work
-from speculative.drafters.config import DrafterConfig
+from speculative.drafters.config import DrafterConfig, drafter_config
 from speculative.planning.load_control import QUOTE_RUN
 from speculative.rules.sampling import SamplingParams
 from speculative.rules.tree import TokenTree
@@ -29,7 +29,7 @@ def fp32(path: str) -> ModelConfig:
 def make_router(pair: TinyPair, drafts: int = 1, drafter: DrafterConfig | None = None, **router: object) -> Router:
     target_cfg = TargetConfig(model=fp32(pair.target))
     target = TargetReplica(target_cfg, shards=LocalShards([TargetShard(target_cfg, 0)]))
-    draft_cfg = DraftWorkerConfig(model=fp32(pair.draft), target_model=pair.target, drafter=drafter or DrafterConfig())
+    draft_cfg = DraftWorkerConfig(model=fp32(pair.draft), target_model=pair.target, drafter=drafter or drafter_config())
     workers = [DraftWorker(draft_cfg) for _ in range(drafts)]
     return Router(RouterConfig(**router), LocalPool(workers), LocalPool([target]))  # type: ignore[arg-type]
 
@@ -61,7 +61,7 @@ def test_prompt_lookup_drafts_in_the_router_without_a_draft_call(tiny_pair: Tiny
     """Prompt lookup costs ~0.1 ms a sequence, a call to the draft pool several: the router drafts by
     lookup itself. The tokens are the target's alone, drafts land, and the pool is never called."""
     requests = [(p * 3, m) for p, m in prompts_and_lengths(6)]  # prompts repeating themselves: matches
-    lookup = DrafterConfig(kind="lookup")
+    lookup = drafter_config(kind="lookup")
     router = make_router(tiny_pair, drafter=lookup, lookup_ngrams=(3, 1))
     results = asyncio.run(run_all(router, requests))
     for (prompt, max_new), result in zip(requests, results, strict=True):

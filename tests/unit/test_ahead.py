@@ -51,7 +51,7 @@ def test_every_branch_of_a_pre_draft_is_the_draft_made_from_its_prefix(arch: str
     d = drafter(arch)
     (round_n,) = d.propose([DraftRequest("s", tuple(committed), 4, GREEDY)])  # round N's chain
     spine = list(round_n.tree.tokens)
-    request = ahead_request("s", tuple(committed), round_n.tree, 3, GREEDY, alternatives=2)
+    request = ahead_request(DraftRequest("s", tuple(committed), 3, GREEDY), round_n.tree, alternatives=2)
     assert request.spine == 4 and request.committed == tuple(committed)
     (pre,) = d.propose([request])
     tree = pre.tree
@@ -77,7 +77,7 @@ def test_a_pre_draft_with_no_spine_guesses_the_bonus_among_its_alternatives() ->
     chain a fresh drafter makes from it."""
     committed = prompt(5)
     bare = TokenTree.chain(committed[-1], [])
-    request = ahead_request("s", tuple(committed), bare, 3, GREEDY, alternatives=2)
+    request = ahead_request(DraftRequest("s", tuple(committed), 3, GREEDY), bare, alternatives=2)
     assert request.spine == 0 and request.pre_draft
     (pre,) = drafter().propose([request])
     guesses = [pre.tree.tokens[c - 1] for c in pre.tree.children[0]]
@@ -97,7 +97,9 @@ def test_the_drafter_keeps_the_guessed_path_for_the_next_round(alternatives: int
     committed = prompt(2)
     d = drafter()
     (round_n,) = d.propose([DraftRequest("s", tuple(committed), 3, GREEDY)])
-    (pre,) = d.propose([ahead_request("s", tuple(committed), round_n.tree, 3, GREEDY, alternatives=alternatives)])
+    (pre,) = d.propose(
+        [ahead_request(DraftRequest("s", tuple(committed), 3, GREEDY), round_n.tree, alternatives=alternatives)]
+    )
     end = walk(pre.tree, round_n.tree.tokens)[-1]
     guess = pre.tree.tokens[pre.tree.children[end][0] - 1]
     verdict = (*round_n.tree.tokens, guess)
@@ -107,7 +109,9 @@ def test_the_drafter_keeps_the_guessed_path_for_the_next_round(alternatives: int
     widths: list[int] = []
     forward = d.runner.forward
     d.runner.forward = lambda tokens, *a, **k: widths.append(sum(map(len, tokens))) or forward(tokens, *a, **k)
-    (pre2,) = d.propose([ahead_request("s", tuple(now), taken.tree, 2, GREEDY, alternatives=alternatives)])
+    (pre2,) = d.propose(
+        [ahead_request(DraftRequest("s", tuple(now), 2, GREEDY), taken.tree, alternatives=alternatives)]
+    )
     end2 = walk(pre2.tree, taken.tree.tokens)[-1]
     guess2 = pre2.tree.tokens[pre2.tree.children[end2][0] - 1]
     assumed = [*now, *taken.tree.tokens]
@@ -152,8 +156,12 @@ def test_a_pre_draft_stops_growing_at_its_deadline() -> None:
     d = drafter()
     (round_n,) = d.propose([DraftRequest("s", tuple(committed), 3, GREEDY)])
     spine = list(round_n.tree.tokens)
-    whole = d.propose([ahead_request("s", tuple(committed), round_n.tree, 4, GREEDY, alternatives=1)])[0].tree
-    cut = d.propose([ahead_request("s", tuple(committed), round_n.tree, 4, GREEDY, 1, deadline_s=0.0)])[0].tree
+    whole = d.propose([ahead_request(DraftRequest("s", tuple(committed), 4, GREEDY), round_n.tree, alternatives=1)])[
+        0
+    ].tree
+    cut = d.propose([ahead_request(DraftRequest("s", tuple(committed), 4, GREEDY, 1), round_n.tree, deadline_s=0.0)])[
+        0
+    ].tree
     end = walk(whole, spine)[-1]
     assert max(whole.depths) == len(spine) + 5, "no deadline: the guess and 4 levels under it"
     assert max(cut.depths) == len(spine) + 2, "deadline spent: the guess and the one level a hit needs"

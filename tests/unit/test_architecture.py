@@ -108,3 +108,23 @@ def test_the_rules_read_from_the_table_are_the_intended_ones(importer: str, impo
     rules = ROOMS[room] if room else None
     assert rules is not None
     assert (target == room or target in rules) is allowed
+
+
+MAX_PARAMETERS = 6  # beyond it a function wants a row or a config type (issue 46)
+
+
+def test_no_function_of_the_core_or_the_actors_takes_more_than_six_parameters() -> None:
+    """`self` and `cls` aside, every positional, keyword-only and variadic parameter counts."""
+    wide = []
+    for path in _sources():
+        if path.relative_to(ROOT).parts[0] not in ("speculative", "actors"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+            count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+            if count > MAX_PARAMETERS:
+                wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} takes {count}")
+    assert not wide, "functions over the parameter limit:\n" + "\n".join(wide)

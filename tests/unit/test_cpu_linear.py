@@ -15,7 +15,7 @@ import torch
 
 from actors.config import ModelConfig, TargetConfig
 from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import drafter_config
 from speculative.engine.cpu.onednn_linear import PackedLinear, packed
 from speculative.engine.loading import native_bf16, quantized
 from speculative.engine.runner import ModelRunner
@@ -93,7 +93,7 @@ def test_packed_model_matches_the_unpacked_and_speculation_stays_exact(arch: str
     refs = [reference_greedy(packed_target, p, NEW) for p in PROMPTS]
     decoder = SpeculativeDecoder(
         TargetVerifier(ModelRunner(packed_target)),
-        build_drafter(DrafterConfig(kind="model"), packed_draft, VOCAB),
+        drafter_config(kind="model").build(packed_draft, VOCAB),
         DepthConfig(max_depth=4, adaptive=False),
     )
     outs = decoder.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW))

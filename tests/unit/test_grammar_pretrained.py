@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import DrafterConfig, drafter_config
 from speculative.engine.loading import LoadedModel, load_model
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
@@ -40,7 +40,7 @@ PROMPTS = [
     "Describe a person called Alice, aged 30, who likes red and blue, as JSON.",
     "Give me a JSON record for Bob (41), whose favourite colours are green, green and green.",
 ]
-DRAFTERS = {"lookup": DrafterConfig(kind="lookup"), "model": DrafterConfig(kind="model", tree_width=2, tree_nodes=8)}
+DRAFTERS = {"lookup": drafter_config(kind="lookup"), "model": drafter_config(kind="model", tree_width=2, tree_nodes=8)}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def _prompt(model: LoadedModel, text: str) -> list[int]:
 
 def _decode(model: LoadedModel, draft, config: DrafterConfig | None, params: SamplingParams):
     grammars = GrammarCompiler.from_hf(model.tokenizer)
-    drafter = build_drafter(config, draft, model.model.config.vocab_size, grammars) if config else None
+    drafter = config.build(draft, model.model.config.vocab_size, grammars) if config else None
     decoder = SpeculativeDecoder(
         TargetVerifier(ModelRunner(model.model), grammars=grammars), drafter, DepthConfig(max_depth=4), model.eos_ids
     )

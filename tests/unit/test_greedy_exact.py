@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.decoder import Planning, SpeculativeDecoder
+from speculative.drafters.config import drafter_config
 from speculative.drafters.lookup import PromptLookupDrafter, lookup_match
 from speculative.engine.loading import quantized
 from speculative.engine.runner import ModelRunner
@@ -28,11 +28,11 @@ PROMPTS = [
     [7],
 ]
 DRAFTERS = {
-    "chain": DrafterConfig(kind="model"),
-    "tree": DrafterConfig(kind="model", tree_width=3, tree_nodes=12),
-    "lookup": DrafterConfig(kind="lookup"),
-    "hybrid": DrafterConfig(kind="hybrid"),
-    "none": DrafterConfig(kind="none"),
+    "chain": drafter_config(kind="model"),
+    "tree": drafter_config(kind="model", tree_width=3, tree_nodes=12),
+    "lookup": drafter_config(kind="lookup"),
+    "hybrid": drafter_config(kind="hybrid"),
+    "none": drafter_config(kind="none"),
 }
 
 
@@ -56,10 +56,11 @@ def decoder(
     config = DRAFTERS[drafter]
     return SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
-        build_drafter(config, draft, VOCAB),
+        config.build(draft, VOCAB),
         DepthConfig(max_depth=max_depth, adaptive=adaptive),
-        costs=costs,
-        lookup_quotes=PromptLookupDrafter(config.max_ngram, config.min_ngram) if lookup_quotes else None,
+        planning=Planning(
+            costs, lookup_quotes=PromptLookupDrafter(config.max_ngram, config.min_ngram) if lookup_quotes else None
+        ),
     )
 
 
@@ -133,7 +134,7 @@ def test_perfect_draft_accepts_everything():
     target = tiny_model("llama")
     dec = SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
-        build_drafter(DrafterConfig(kind="model"), target, VOCAB),
+        drafter_config(kind="model").build(target, VOCAB),
         DepthConfig(max_depth=3, adaptive=False),
     )
     (out,) = dec.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=17))

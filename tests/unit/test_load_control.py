@@ -8,11 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.planning.costs import StepCosts, catch_up
+from speculative.planning.costs import Planned, StepCosts, catch_up
 from speculative.planning.depth import DepthConfig, own_depth
-from speculative.planning.load_control import choose_depths as choose_planned
-from speculative.planning.load_control import plan_depths, record_plan
+from speculative.planning.load_control import Plan, plan_depths
+from speculative.planning.load_control import choose_depths as choose_planned_rows
 from speculative.planning.round import Speculation
+from speculative.planning.rows import DraftRow, RoundShape, draft_rows
 from speculative.planning.sequence import Sequence
 from speculative.rules.sampling import SamplingParams
 from speculative.rules.tree import TokenTree
@@ -33,9 +34,54 @@ def costs(verify: dict[int, float], draft_step: dict[int, float]) -> StepCosts:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
+def choose_planned(
+    wants: list[int],
+    acceptances: list[float],
+    c: StepCosts,
+    cap: int,
+    overlapped: bool = False,
+    capped: list[bool] | None = None,
+    catch_ups: list[float] | None = None,
+    probes: dict[int, float] | None = None,
+    min_gains: list[float] | None = None,
+    extra_levels: int = 0,
+) -> tuple[list[int], Planned | None]:
+    """`load_control.choose_depths` over rows with these wants, acceptances, caps, catch-ups, probes (index ->
+    its catch-up) and margins (default: `min_gain`)."""
+    n = len(wants)
+    rows = [
+        DraftRow(
+            wants[i],
+            cap,
+            acceptances[i],
+            min_gains[i] if min_gains else c.config.min_gain,
+            capped[i] if capped else True,
+            catch_ups[i] if catch_ups else 0.0,
+            (probes or {}).get(i),
+        )
+        for i in range(n)
+    ]
+    return choose_planned_rows(rows, c, RoundShape(cap, cap, overlapped, extra_levels))
+
+
 def choose_depths(*args: Any, **kwargs: Any) -> list[int]:
     """The depths `load_control.choose_depths` chooses (its prediction dropped)."""
     return choose_planned(*args, **kwargs)[0]
+
+
+def plan_seqs(
+    seqs: list[Sequence],
+    config: DepthConfig,
+    c: StepCosts | None,
+    cap: int,
+    lookup: PromptLookupDrafter | None = None,
+    overlapped: bool = False,
+    extra_levels: int = 0,
+) -> Plan:
+    """The plan for `seqs` at depth cap `cap` (a quote's too), as `round.Speculation.depths` makes it (pure)."""
+    shape = RoundShape(cap, cap, overlapped, extra_levels)
+    priced = c if config.load_adaptive else None
+    return plan_depths(draft_rows(seqs, shape, Speculation(config, c, lookup=lookup), priced), shape, priced)
 
 
 def plan(
@@ -44,11 +90,14 @@ def plan(
     cap: int,
     config: DepthConfig = CONFIG,
     lookup_quotes: bool = False,
-    **kwargs: Any,
+    lookup: PromptLookupDrafter | None = None,
 ) -> list[int]:
     """Plan a round and record it on the sequences, as `round.Speculation.plan` does; its depths."""
-    planned = plan_depths(seqs, config, c, cap, lookup_quotes=lookup_quotes, **kwargs)
-    record_plan(seqs, planned, lookup_quotes)
+    speculation = Speculation(config, c, lookup=lookup, lookup_quotes=lookup_quotes)
+    shape = RoundShape(cap, cap)
+    priced = c if config.load_adaptive else None
+    planned = plan_depths(draft_rows(seqs, shape, speculation, priced), shape, priced)
+    speculation.record(seqs, planned)
     return planned.depths
 
 
@@ -453,7 +502,7 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
 
 def test_planning_changes_nothing_until_the_round_records_it() -> None:
     """The plan is a pure function of the sequences and the measured costs: planning twice gives the same
-    plan, and neither the sequences nor the costs change until `record_plan` (or settling) says so."""
+    plan, and neither the sequences nor the costs change until `Speculation.record` (or settling) says so."""
     import copy
 
     lookup = PromptLookupDrafter(max_ngram=3)
@@ -465,11 +514,11 @@ def test_planning_changes_nothing_until_the_round_records_it() -> None:
     c.rounds = CONFIG.probe_every - 1  # a probe round
     c.pooled_by_match[8] = (95.0, 100.0)  # the lane's quotes have landed
     before = copy.deepcopy((quoting, held, c))
-    first = plan_depths([quoting, held], CONFIG, c, 4, lookup=lookup)
-    assert plan_depths([quoting, held], CONFIG, c, 4, lookup=lookup) == first
+    first = plan_seqs([quoting, held], CONFIG, c, 4, lookup=lookup)
+    assert plan_seqs([quoting, held], CONFIG, c, 4, lookup=lookup) == first
     assert copy.deepcopy((quoting, held, c)) == before
-    assert first.runs[0] == 8 and first.depths[0] > 0  # (a quote, drafted by lookup)
-    record_plan([quoting, held], first, lookup_quotes=False)
+    assert first.rows[0].run == 8 and first.depths[0] > 0  # (a quote, drafted by lookup)
+    Speculation(CONFIG, c, lookup=lookup).record([quoting, held], first)
     assert quoting.stats.lookup_run == 8 and quoting.stats.drafted_at == 5
 
 
@@ -492,13 +541,13 @@ def test_a_draft_hidden_behind_the_verify_goes_as_deep_as_it_pays() -> None:
     for _ in range(40):
         seq.acceptance.update(8, 7, config.memory)  # 7 of 8 levels kept: 0.875 per decision
     assert own_depth(seq.acceptance, 1, config) == 4
-    hidden = plan_depths([seq], config, c, 8, overlapped=True, extra_levels=1).depths
-    alone = plan_depths([seq], config, c, 8).depths
+    hidden = plan_seqs([seq], config, c, 8, overlapped=True, extra_levels=1).depths
+    alone = plan_seqs([seq], config, c, 8).depths
     assert hidden == [8]  # its 9 forwards (the guess of the bonus first), 0.32 s, hide behind V(9) = 0.33 s
     assert 4 < alone[0] < 8  # in sequence each level costs its forward: deeper than own_depth, not to the cap
     sampled = Sequence("t", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=64))
     sampled.stats.steps, sampled.acceptance = 5, seq.acceptance
-    assert plan_depths([sampled], config, c, 8, overlapped=True).depths == [4]  # its tokens depend on depth
+    assert plan_seqs([sampled], config, c, 8, overlapped=True).depths == [4]  # its tokens depend on depth
 
 
 @pytest.mark.parametrize("beside_model", [False, True])
@@ -517,7 +566,7 @@ def test_a_quote_drafts_deeper_than_max_depth(beside_model: bool) -> None:
     for c in (None, flat):
         speculation = Speculation(config, c, lookup=lookup, lookup_quotes=beside_model)
         plan = speculation.depths([quoting, other], 2)
-        assert plan.depths[0] == 12 and plan.runs[0] == 8
+        assert plan.depths[0] == 12 and plan.rows[0].run == 8
         assert 0 < plan.depths[1] <= 4  # lookup's chance match, or the model's draft: max_depth
         assert speculation.depths([quoting, other], 16).depths[0] == 64 // 16 - 1  # the batch's budget binds
 

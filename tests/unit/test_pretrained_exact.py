@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import drafter_config
 from speculative.engine.loading import LoadedModel, load_model
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
@@ -24,9 +24,9 @@ USER_PROMPTS = [
     "List three colours.",
 ]
 DRAFTERS = {
-    "chain": DrafterConfig(kind="model"),
-    "tree": DrafterConfig(kind="model", tree_width=2, tree_nodes=8),
-    "lookup": DrafterConfig(kind="lookup"),
+    "chain": drafter_config(kind="model"),
+    "tree": drafter_config(kind="model", tree_width=2, tree_nodes=8),
+    "lookup": drafter_config(kind="lookup"),
 }
 
 
@@ -61,7 +61,7 @@ def check_exact(
         config = DRAFTERS[name]
         decoder = SpeculativeDecoder(
             TargetVerifier(ModelRunner(target.model)),
-            build_drafter(config, draft_model, target.model.config.vocab_size),
+            config.build(draft_model, target.model.config.vocab_size),
             DepthConfig(max_depth=4),
             eos_ids=target.eos_ids,
         )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import drafter_config
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
@@ -18,9 +18,9 @@ NEW = 20
 EOS = 1
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13], [20, 21, 22, 20, 21, 22, 20]]
 DRAFTERS = {
-    "chain": DrafterConfig(kind="model"),
-    "tree": DrafterConfig(kind="model", tree_width=3, tree_nodes=12),
-    "lookup": DrafterConfig(kind="lookup"),
+    "chain": drafter_config(kind="model"),
+    "tree": drafter_config(kind="model", tree_width=3, tree_nodes=12),
+    "lookup": drafter_config(kind="lookup"),
 }
 PROCESSED = {
     "presence-frequency": {"presence_penalty": 1.5, "frequency_penalty": 0.7},
@@ -43,7 +43,7 @@ def run(
     target, draft, drafter: str | None, params: SamplingParams, depth: int = 4, sampled: bool = True
 ) -> tuple[list[list[int]], SpeculativeDecoder]:
     config = DRAFTERS[drafter].model_copy(update={"sampled": sampled}) if drafter else None
-    built = build_drafter(config, draft, VOCAB) if config else None
+    built = config.build(draft, VOCAB) if config else None
     if built is not None and hasattr(built, "eos_ids"):
         built.eos_ids = frozenset({EOS})
     verifier = TargetVerifier(ModelRunner(target), eos_ids=frozenset({EOS}))
@@ -124,9 +124,7 @@ def test_logprobs_equal_plain_decoding_and_the_model(models, drafter, temperatur
     target, draft = models
     params = SamplingParams(temperature=temperature, max_tokens=NEW, seed=3, logprobs=5)
     config = DRAFTERS[drafter].model_copy(update={"sampled": False})
-    dec = SpeculativeDecoder(
-        TargetVerifier(ModelRunner(target)), build_drafter(config, draft, VOCAB), DepthConfig(max_depth=4)
-    )
+    dec = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), config.build(draft, VOCAB), DepthConfig(max_depth=4))
     speculated = dec.generate(PROMPTS, params)
     plain = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), None, DepthConfig()).generate(PROMPTS, params)
     assert verified_drafts(speculated, drafter)

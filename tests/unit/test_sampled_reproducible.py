@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from speculative.decoder import SpeculativeDecoder
-from speculative.drafters.config import DrafterConfig, build_drafter
+from speculative.drafters.config import DrafterConfig, drafter_config
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
@@ -24,19 +24,17 @@ def pair():
 
 def run(pair, config: DrafterConfig, prompts, params) -> list[list[int]]:
     target, draft = pair
-    dec = SpeculativeDecoder(
-        TargetVerifier(ModelRunner(target)), build_drafter(config, draft, VOCAB), DepthConfig(max_depth=4)
-    )
+    dec = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), config.build(draft, VOCAB), DepthConfig(max_depth=4))
     plist = params if isinstance(params, list) else [params] * len(prompts)
     return [s.output for s in dec.generate(prompts, plist)]
 
 
 CONFIGS = {
-    "chain-rejection": DrafterConfig(kind="model"),
-    "tree-rejection": DrafterConfig(kind="model", tree_width=2, tree_nodes=8),
-    "tree-topk": DrafterConfig(kind="model", tree_width=3, tree_nodes=12, sampled=False),
-    "lookup": DrafterConfig(kind="lookup"),
-    "hybrid": DrafterConfig(kind="hybrid"),
+    "chain-rejection": drafter_config(kind="model"),
+    "tree-rejection": drafter_config(kind="model", tree_width=2, tree_nodes=8),
+    "tree-topk": drafter_config(kind="model", tree_width=3, tree_nodes=12, sampled=False),
+    "lookup": drafter_config(kind="lookup"),
+    "hybrid": drafter_config(kind="hybrid"),
 }
 
 
@@ -53,7 +51,7 @@ def test_seeded_runs_reproduce_and_batch_equals_alone(pair, name):
 
 def test_deterministic_drafts_give_plain_sampling_output(pair):
     """Target-sample matching emits exactly what plain sampling with the same seed emits."""
-    plain = run(pair, DrafterConfig(kind="none"), PROMPTS, SAMPLED)
+    plain = run(pair, drafter_config(kind="none"), PROMPTS, SAMPLED)
     assert run(pair, CONFIGS["tree-topk"], PROMPTS, SAMPLED) == plain
     assert run(pair, CONFIGS["lookup"], PROMPTS, SAMPLED) == plain
 
@@ -79,7 +77,7 @@ def test_stop_token_ids_and_max_tokens(pair):
     target_, draft = pair
     dec = SpeculativeDecoder(
         TargetVerifier(ModelRunner(target_)),
-        build_drafter(CONFIGS["chain-rejection"], draft, VOCAB),
+        CONFIGS["chain-rejection"].build(draft, VOCAB),
         DepthConfig(max_depth=4),
     )
     (out,) = dec.generate([PROMPTS[0]], params)
@@ -99,7 +97,7 @@ def test_stop_strings_cut_text(pair):
     stop = f" {ref[3]} {ref[4]}"
     dec = SpeculativeDecoder(
         TargetVerifier(ModelRunner(target)),
-        build_drafter(CONFIGS["lookup"], draft, VOCAB),
+        CONFIGS["lookup"].build(draft, VOCAB),
         DepthConfig(max_depth=4),
         decode=decode,
     )

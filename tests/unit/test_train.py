@@ -14,7 +14,7 @@ from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
 from speculative.train.data import Corpus, observe
-from speculative.train.fit import eagle_shape, fit_eagle, fit_medusa
+from speculative.train.fit import Budget, EagleFit, MedusaFit, eagle_shape, fit_eagle, fit_medusa
 from tests.tiny_models import reference_greedy, tiny_model
 
 # The tiny target's own greedy continuations: the text heads learn to predict.
@@ -52,18 +52,18 @@ def test_fitted_heads_learn_the_targets_text_and_save_in_the_published_layout(tm
     corpus = corpus_of(target)
     lm_head = target.get_output_embeddings().weight.detach()
     embed = target.get_input_embeddings().weight.detach()
-    medusa, fitted = fit_medusa(corpus, lm_head, heads=2, minutes=10, max_steps=300, batch=32, lr=3e-3)
+    medusa, fitted = fit_medusa(corpus, lm_head, Budget(max_steps=300), MedusaFit(heads=2, batch=32, lr=3e-3))
     assert fitted.steps == 300 and _mean(fitted.losses[-30:]) < 0.7 * _mean(fitted.losses[:30])
-    untrained, _ = fit_medusa(corpus, lm_head, heads=2, max_steps=0)
+    untrained, _ = fit_medusa(corpus, lm_head, Budget(max_steps=0), MedusaFit(heads=2))
     assert _acceptance(target, heads_factory(medusa, target)) > _acceptance(target, heads_factory(untrained, target))
     loaded = load_medusa(save_medusa(medusa, tmp_path / "medusa"))
     x = torch.randn(3, 64)
     torch.testing.assert_close(loaded(x), medusa(x))
 
     shape = eagle_shape(target.config, intermediate=64)
-    eagle, fitted = fit_eagle(corpus, embed, lm_head, shape, minutes=10, max_steps=300, window=32, lr=1e-3)
+    eagle, fitted = fit_eagle(corpus, embed, lm_head, shape, Budget(max_steps=300), EagleFit(window=32, lr=1e-3))
     assert fitted.steps == 300 and _mean(fitted.losses[-30:]) < 0.7 * _mean(fitted.losses[:30])
-    blank, _ = fit_eagle(corpus, embed, lm_head, shape, max_steps=0)
+    blank, _ = fit_eagle(corpus, embed, lm_head, shape, Budget(max_steps=0))
     assert _acceptance(target, heads_factory(eagle, target)) > _acceptance(target, heads_factory(blank, target))
     again = load_eagle(save_eagle(eagle, tmp_path / "eagle"))
     assert again.shape == eagle.shape
