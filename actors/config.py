@@ -11,12 +11,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculative.drafters.config import DrafterConfig, ModelDrafterConfig
+from speculative.engine.loading import resolve_dtype
 from speculative.planning.depth import DepthConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantize = Literal["none", "int8", "int4", "auto"]
 CPU_QUANTIZE = ("int8", "int4")  # formats with CPU kernels only (auto resolves to none on a GPU)
 CpuLinear = Literal["torch", "onednn"]
+Deterministic = Literal["auto", "on", "off"]
 
 # A replica's KV budget (speculative/engine/kv_budget.py): the router admits a sequence only when its prompt
 # plus max_tokens fits in what is left of it, and no window larger than it is advertised.
@@ -179,6 +181,15 @@ class TargetSettings(BaseModel):
     shard_num_gpus: float = Field(
         default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."
     )
+    deterministic: Deterministic = Field(
+        default="auto",
+        description="on: batch-invariant target forwards (speculative/engine/invariant.py): a row's logits are the "
+        "same bits alone, in a verify, in a tree or beside other sequences, so speculation and batching never "
+        "change greedy output in bfloat16 either; the start fails where this machine's kernels cannot give that. "
+        "auto: on for a bfloat16 CPU target with tp_size 1 where the kernels allow it (a warning where not; in "
+        "float32 the rounding differences are far below a greedy choice's margin), else off. "
+        "off: the kernels as the libraries pick them per shape.",
+    )
 
 
 class TargetConfig(TargetSettings):
@@ -208,6 +219,8 @@ class TargetConfig(TargetSettings):
             raise ValueError(
                 f"cpu_cores: {len(self.cpu_cores)} cores do not split evenly over tp_size {self.tp_size} ranks"
             )
+        if self.deterministic == "on" and (self.tp_size > 1 or self.model.device != "cpu"):
+            raise ValueError("deterministic: 'on' is for a CPU target with tp_size 1 (the invariant kernels' home)")
         if self.heads is not None and not self.heads.on_target:
             raise ValueError(f"heads: drafter kind {self.heads.kind!r} does not draft on the target")
         return self
@@ -327,3 +340,12 @@ class RouterConfig(BaseModel):
     )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
     depth: DepthConfig = Field(default_factory=DepthConfig, description="The depth controller's knobs.")
+
+
+def deterministic_on(config: TargetConfig) -> bool:
+    """Whether the target's forwards are made batch invariant (`deterministic`; auto: a CPU target of
+    tp_size 1 in bfloat16, where the libraries' kernels change a row's rounding by the forward's shape)."""
+    if config.deterministic == "auto":
+        model = config.model
+        return model.device == "cpu" and config.tp_size == 1 and resolve_dtype(model.dtype, model.device) == "bfloat16"
+    return config.deterministic == "on"

@@ -13,6 +13,7 @@ health check is answered while a long verify runs: a shard that does not answer 
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import ray
 
 from actors import tp
-from actors.config import TargetConfig
+from actors.config import TargetConfig, deterministic_on
 from actors.cpu_cores import pin_process, rank_cores
 from actors.groups import GroupCaches
 from actors.heap import freeze_heap
@@ -28,12 +29,15 @@ from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.drafters.heads import TreeHeads
+from speculative.engine.invariant import make_deterministic
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
 from speculative.engine.kv_cache import preallocated
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.rules.acceptance import Verdict
 from speculative.target import TargetVerifier
+
+logger = logging.getLogger(__name__)
 
 HEALTH_GROUP = "health"  # the actor's concurrency group for `ping` (RayShards declares it)
 
@@ -67,6 +71,12 @@ class TargetShard:
         eos = eos_ids_of(model)
         config = model.config
         model = tp.shard(model, world)
+        if deterministic_on(self.config):
+            why = make_deterministic(model)
+            if why is not None and self.config.deterministic == "on":
+                raise ValueError(f"deterministic: 'on', but {why}")
+            if why is not None:
+                logger.warning("target forwards are not batch invariant here: %s", why)
         budget = kv_budget_tokens(
             self.config.kv_budget_tokens, self.config.kv_memory_fraction, config, model.dtype, model.device, world
         )

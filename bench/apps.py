@@ -10,7 +10,7 @@ from typing import Any
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.local.demo import app_block, stop_local_ray, wait_ready
+from deploy.local.demo import Streamed, app_block, stop_local_ray, stream_chat, wait_ready
 
 REPO = str(Path(__file__).resolve().parents[1])  # the replicas' PYTHONPATH: they import this repository
 
@@ -66,3 +66,30 @@ def deploy_http(apps: dict[str, dict[str, Any]], port: int, timeout_s: float = 9
         wait_ready(urls[name], timeout_s=timeout_s)
         deploying.join()
     return urls
+
+
+Runs = dict[str, list[list[Streamed]]]  # per mode, per prompt, each pass's stream
+
+
+def streams_by_mode(
+    urls: dict[str, str],
+    model: str,
+    prompts: dict[str, str],
+    modes: dict[str, tuple[str, bool]],
+    passes: tuple[int, int],
+) -> Runs:
+    """Each prompt streamed alone (c = 1) in every mode (`modes[mode]`: the deployment and whether to
+    speculate), the modes in turn per prompt, their order reversed each pass, so the machine's drift
+    between minutes hits them alike; `passes`: (passes, max_tokens). Each deployment is warmed up first
+    (first forwards, kernel choice, connections)."""
+    repeats, max_tokens = passes
+    out: Runs = {m: [[] for _ in prompts] for m in modes}
+    for app in dict.fromkeys(app for app, _ in modes.values()):
+        stream_chat(urls[app], model, next(iter(prompts.values())), 8, speculate=True, show=False)
+    for rep in range(repeats):
+        for i, (name, prompt) in enumerate(prompts.items()):
+            for mode in list(modes) if rep % 2 == 0 else list(modes)[::-1]:
+                app, speculate = modes[mode]
+                out[mode][i].append(stream_chat(urls[app], model, prompt, max_tokens, speculate, show=False))
+                print(f"  pass {rep + 1} {name:>9} {mode:>28}: {out[mode][i][-1].rate:.2f} tok/s", flush=True)
+    return out

@@ -43,3 +43,16 @@ def save(fig: Any, path: Path | str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def mode_bars(rows: list[list[Any]], path: Path, title: str) -> None:
+    """Tokens/s per prompt, a bar per mode: `rows` of [mode, prompt, tok/s, ...]."""
+    prompts = list(dict.fromkeys(r[1] for r in rows))
+    modes = list(dict.fromkeys(r[0] for r in rows))
+    rates = {(r[0], r[1]): r[2] for r in rows}
+    fig, (ax,) = figure(size=(9, 4))
+    grouped_bars(ax, prompts, {m: [rates[m, p] for p in prompts] for m in modes})
+    ax.set_ylabel("tokens/s (c = 1)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    save(fig, path)

@@ -72,3 +72,9 @@ def write(
     header += f"; commit {info['commit']}.\n\n"
     (folder / f"{name}.md").write_text(f"# {name}\n\n{header}{markdown}\n")
     return folder / name
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """A run's summary figures as a two-column markdown table (floats to 3 places)."""
+    lines = (f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items())
+    return "| summary (all prompts' tokens over their seconds) | value |\n|---|---|\n" + "\n".join(lines) + "\n\n"

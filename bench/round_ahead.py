@@ -37,21 +37,9 @@ PROMPTS = {
 MODES = {"round-ahead": ("ahead", True), "sequential": ("sequential", True), "plain": ("ahead", False)}
 
 
-def measure(urls: dict[str, str], model: str, max_tokens: int, repeats: int) -> dict[str, list[list[Streamed]]]:
-    """Per mode, per prompt, each pass's stream: the modes in turn for every prompt, their order reversed
-    each pass, so the machine's drift between minutes hits them alike."""
-    out: dict[str, list[list[Streamed]]] = {m: [[] for _ in PROMPTS] for m in MODES}
-    for app in ("ahead", "sequential"):  # warm-up: first forwards, kernel choice, connections
-        stream_chat(urls[app], model, PROMPTS["code"], 8, speculate=True, show=False)
-    for rep in range(repeats):
-        for i, prompt in enumerate(PROMPTS.values()):
-            for mode in list(MODES) if rep % 2 == 0 else list(MODES)[::-1]:
-                app, speculate = MODES[mode]
-                out[mode][i].append(stream_chat(urls[app], model, prompt, max_tokens, speculate, show=False))
-                print(
-                    f"  pass {rep + 1} {list(PROMPTS)[i]:>9} {mode:>11}: {out[mode][i][-1].rate:.2f} tok/s", flush=True
-                )
-    return out
+def measure(urls: dict[str, str], model: str, max_tokens: int, repeats: int) -> apps.Runs:
+    """Per mode, per prompt, each pass's stream (`apps.streams_by_mode`)."""
+    return apps.streams_by_mode(urls, model, PROMPTS, MODES, (repeats, max_tokens))
 
 
 def first_tokens(url: str, model: str, rounds: int, max_tokens: int) -> dict[str, list[float]]:
@@ -105,7 +93,7 @@ def _decode_rate(runs: list[Streamed]) -> float:
     return sum(r.tokens - 1 for r in runs) / sum(r.seconds - r.first_token_s for r in runs)
 
 
-Runs = dict[str, list[list[Streamed]]]  # per mode, per prompt, each pass's stream
+Runs = apps.Runs
 
 
 def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: dict[str, list[float]]) -> None:
@@ -158,10 +146,7 @@ def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: d
         "router's stats of the round-ahead deployment over the whole run. ttft_p50_*: time to first token from "
         f"{args.ttft_rounds} rounds over the prompts of {args.ttft_max_tokens}-token requests on the round-ahead "
         "deployment, speculation on then off (order flipped each pair); ttft_p50_streams_on_vs_off: the same "
-        "ratio from the long streams above (fewer samples).\n\n"
-        "| summary (all prompts' tokens over their seconds) | value |\n|---|---|\n"
-        + "\n".join(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items())
-        + "\n\n"
+        "ratio from the long streams above (fewer samples).\n\n" + report.summary_table(summary)
     )
     data = {"config": vars(args), "summary": summary, "rows": [dict(zip(columns, r, strict=True)) for r in rows]}
     stem = report.write(NAME, data, intro + report.markdown_table(columns, rows) + f"\n\n![rates]({NAME}.png)")
@@ -170,15 +155,7 @@ def write(args: argparse.Namespace, runs: Runs, stats: dict[str, Any], firsts: d
 
 
 def plot(rows: list[list[Any]], stem: Path) -> None:
-    prompts = list(dict.fromkeys(r[1] for r in rows))
-    modes = list(dict.fromkeys(r[0] for r in rows))
-    rates = {(r[0], r[1]): r[2] for r in rows}
-    fig, (ax,) = figures.figure(size=(8, 4))
-    figures.grouped_bars(ax, prompts, {m: [rates[m, p] for p in prompts] for m in modes})
-    ax.set_ylabel("tokens/s (c = 1)")
-    ax.set_title("round-ahead drafting on deploy/local.yaml")
-    ax.legend()
-    figures.save(fig, stem.with_suffix(".png"))
+    figures.mode_bars(rows, stem.with_suffix(".png"), "round-ahead drafting on deploy/local.yaml")
 
 
 if __name__ == "__main__":

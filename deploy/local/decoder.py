@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,12 +13,15 @@ from speculative.decoder import Planning, SpeculativeDecoder
 from speculative.drafters.config import DrafterConfig
 from speculative.drafters.heads import TreeDrafter, TreeHeads
 from speculative.drafters.lookup import PromptLookupDrafter
-from speculative.engine.loading import LoadedModel, chat_ids, load_model
+from speculative.engine.invariant import make_deterministic
+from speculative.engine.loading import LoadedModel, chat_ids, load_model, resolve_dtype
 from speculative.engine.runner import ModelRunner
 from speculative.planning.costs import StepCosts
 from speculative.planning.depth import DepthConfig
 from speculative.rules.grammar import GrammarCompiler
 from speculative.target import TargetVerifier
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,12 @@ class LocalModels:
 
     @staticmethod
     def load(target: str, draft: str | None, dtype: str) -> LocalModels:
-        """`target` / `draft`: registry names (modelstore/), local folders or hub ids."""
-        return LocalModels(load_model(resolve(target), dtype), load_model(resolve(draft), dtype) if draft else None)
+        """`target` / `draft`: registry names (modelstore/), local folders or hub ids. A bfloat16 target's
+        forwards are made batch invariant, as a served one's (`target_pool.deterministic: auto`)."""
+        loaded = load_model(resolve(target), dtype)
+        if resolve_dtype(dtype) == "bfloat16" and (why := make_deterministic(loaded.model)) is not None:
+            logger.warning("target forwards are not batch invariant here: %s", why)
+        return LocalModels(loaded, load_model(resolve(draft), dtype) if draft else None)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

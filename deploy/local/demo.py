@@ -131,15 +131,17 @@ def _report(spec: Streamed, plain: Streamed) -> str:
 
 
 def _agreement(spec: str, plain: str) -> str:
-    """How far the two texts agree. In float32 greedy speculation is token-identical to plain decoding
-    (tests/unit/test_pretrained_exact.py); in bfloat16 a verify over several tokens rounds differently
-    from a one-token step, so a near-tie between two tokens can fall the other way."""
+    """How far the two texts agree. Greedy speculation is token-identical to plain decoding in float32, and in
+    bfloat16 with the target's forwards batch invariant (`target_pool.deterministic`, on by default for a
+    bfloat16 CPU target; docs/design.md); with the libraries' kernels a bfloat16 verify rounds unlike a
+    one-token step, so a near-tie between two tokens can fall the other way."""
     if spec == plain:
         return "the same text"
     common = next((i for i, (a, b) in enumerate(zip(spec, plain, strict=False)) if a != b), min(len(spec), len(plain)))
     return (
-        f"the texts agree for their first {common} of {len(plain)} characters (bfloat16 rounds a several-token "
-        "verify unlike a one-token step, so a near-tie can fall the other way; float32 is token-identical)"
+        f"the texts agree for their first {common} of {len(plain)} characters (a bfloat16 target without "
+        "`target_pool.deterministic` rounds a several-token verify unlike a one-token step, so a near-tie can "
+        "fall the other way)"
     )
 
 

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from speculative.engine.batching import ragged_groups
+from speculative.engine.invariant import INVARIANT, invariant_attention
 
 ATTENTION = "specserve_packed"  # the attention implementation a runner sets on its model
 _TAG = "_specserve_packing"  # the mask tensor's attribute holding its Packing
@@ -134,11 +135,16 @@ def packed_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outputs = []
     groups = getattr(module, "num_key_value_groups", 1)
+    invariant = getattr(module, INVARIANT, False)  # batch-invariant forwards (`invariant.make_invariant`)
     for i, g in enumerate(p.groups):
         everyone = len(g.rows) == p.rows  # (rows ascending: then the batch as it is)
         k, v = (key, value) if everyone else (key[g.rows], value[g.rows])
-        fold = groups if groups > 1 and g.width > 1 and kwargs.get("position_bias") is None else 1
-        o = _attend(module, g.scatter(query), (k, v), p.group_mask(i, fold), fold, **kwargs)  # [b, m, heads, D]
+        if invariant:  # every call folds its heads alike, one-token steps too
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            o = invariant_attention(g.scatter(query), (k, v), p.group_mask(i, groups), scaling)  # [b, m, heads, D]
+        else:
+            fold = groups if groups > 1 and g.width > 1 and kwargs.get("position_bias") is None else 1
+            o = _attend(module, g.scatter(query), (k, v), p.group_mask(i, fold), fold, **kwargs)  # [b, m, heads, D]
         outputs.append(o.reshape(-1, *o.shape[2:]))  # [b * m, heads, D]
     if len(p.groups) == 1 and p.groups[0].target is None:  # no pads: already the packed order
         return outputs[0][None], None
