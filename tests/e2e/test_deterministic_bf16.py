@@ -106,11 +106,16 @@ def _decoding(drafter: str | None, target: LoadedModel, draft: LoadedModel) -> t
     return TargetVerifier(ModelRunner(target.model)), proposer
 
 
-@pytest.fixture(scope="module")
-def plain() -> tuple[list[list[int]], list[list[int]]]:
-    """The prompts and their plain-decoding outputs, decoded together."""
+@cache
+def plain_outputs() -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and their plain-decoding outputs, decoded together (also the served test's reference)."""
     prompts = _prompts(_pair()[0])
     return prompts, _generate(None, prompts)
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[list[list[int]], list[list[int]]]:
+    return plain_outputs()
 
 
 def test_a_verify_row_is_the_one_token_steps_bits() -> None:
