@@ -99,7 +99,12 @@ def _decoding(drafter: str | None, target: LoadedModel, draft: LoadedModel) -> t
     """The verifier and the drafter of one run: heads beside the target (medusa, eagle), or a drafter."""
     vocab = target.model.config.vocab_size
     if drafter in ("medusa", "eagle"):
-        heads = heads_factory(_heads(target.model)[drafter], target.model)  # type: ignore[arg-type]
+        random = _heads(target.model)[drafter]
+        if drafter == "medusa":
+            heads = heads_factory(random, target.model)  # type: ignore[arg-type]
+        else:  # a small tree: a random head's drafts rarely land, and each depth costs an LM-head pass
+            small = drafter_config(kind="eagle", eagle_head="(in memory)", eagle_top_k=2, eagle_depth=3, eagle_nodes=6)
+            heads = small.trees(random, target.model)  # type: ignore[union-attr]
         verifier = TargetVerifier(runner := ModelRunner(target.model), heads=heads(runner))
         return verifier, TreeDrafter(verifier.drafted)
     proposer = DRAFTERS[drafter].build(draft.model, vocab) if drafter is not None else None
