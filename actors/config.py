@@ -186,8 +186,8 @@ class TargetSettings(BaseModel):
         description="on: batch-invariant target forwards (speculative/engine/invariant.py): a row's logits are the "
         "same bits alone, in a verify, in a tree or beside other sequences, so speculation and batching never "
         "change greedy output in bfloat16 either; the start fails where this machine's kernels cannot give that. "
-        "auto: on for a bfloat16 CPU target with tp_size 1 where the kernels allow it (a warning where not; in "
-        "float32 the rounding differences are far below a greedy choice's margin), else off. "
+        "auto: on for a bfloat16 CPU target with tp_size 1 where the kernels allow it (a warning where not), else "
+        "off (float32 targets keep the libraries' kernels: the float32 exactness tests hold on them). "
         "off: the kernels as the libraries pick them per shape.",
     )
 

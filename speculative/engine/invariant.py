@@ -29,9 +29,12 @@ from typing import Any
 
 import torch
 
+from speculative.engine.cpu.onednn_linear import PackedLinear
+
 MIN_ROWS = 16  # query rows every attention matmul sees (a multiple of the widest vector: no scalar tails)
 LINEAR_ROWS = (2, 4, 8, 16)  # the fewest rows a Linear call may be given, tried in this order at load
 BLOCK = 256  # key columns per attention block
+LINEARS = (torch.nn.Linear, PackedLinear)  # the layers `InvariantLinear` wraps
 INVARIANT = "_specserve_invariant"  # an attention module's attribute: computed by `invariant_attention`
 
 
@@ -50,10 +53,6 @@ class InvariantLinear(torch.nn.Module):
         """The inner layer's weight (its shape: `ModelRunner` reads the vocabulary off the LM head)."""
         return self.inner.weight
 
-    @property
-    def bias(self) -> Any:
-        return self.inner.bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, x.shape[-1])  # [R, in]
         if rows.shape[0] >= self.min_rows or not rows.shape[0]:  # (no rows: a forward whose rows all prefill)
@@ -68,7 +67,7 @@ def make_invariant(model: torch.nn.Module, min_rows: int) -> torch.nn.Module:
     module), in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) or type(child).__name__ == "PackedLinear":
+            if isinstance(child, LINEARS):
                 setattr(parent, name, InvariantLinear(child, min_rows))
         if hasattr(parent, "num_key_value_groups"):  # transformers' attention modules
             setattr(parent, INVARIANT, True)
@@ -169,7 +168,7 @@ def make_deterministic(model: torch.nn.Module) -> str | None:
     if any(type(m).__name__ == "Conv1D" for m in model.modules()):
         return "GPT-2's Conv1D projections are not made invariant (Llama, Qwen2 and their kind are)"
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "PackedLinear":
+        if isinstance(module, LINEARS):
             dtype, _ = _placement(module)
             layers.setdefault((module.in_features, module.out_features, dtype), module)  # type: ignore[arg-type]
     if not layers:
