@@ -10,6 +10,7 @@ where the CPU computes bfloat16 natively (where `dtype: auto` picks it); elsewhe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cache
 
 import pytest
@@ -25,7 +26,7 @@ from speculative.engine.runner import ModelRunner, chain_parents
 from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
 from speculative.target import TargetVerifier
-from tests.fetched import fetched_dir
+from tests.fetched import fetched_dir, free_memory
 from tests.tiny_models import eagle_for, heads_for
 
 pytestmark = [
@@ -116,6 +117,20 @@ def plain_outputs() -> tuple[list[list[int]], list[list[int]]]:
     """The prompts and their plain-decoding outputs, decoded together (also the served test's reference)."""
     prompts = _prompts(_pair()[0])
     return prompts, _generate(None, prompts)
+
+
+def release_models() -> None:
+    """Free the Qwen pair and the heads (~7 GB): the suite's later tests start Ray replicas of their own, and
+    a process holding these beside them leaves the machine's 24 GB short (workers are killed for memory)."""
+    _pair.cache_clear()
+    _heads.cache_clear()
+    free_memory()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freed_after() -> Iterator[None]:
+    yield
+    release_models()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from deploy.app import build_app
 from deploy.config import AppConfig
 from speculative.engine.loading import resolve_dtype
 from tests.actors.serve_helpers import deploy_yaml, free_port, local_ray, run_app
-from tests.e2e.test_deterministic_bf16 import NEW_TOKENS, plain_outputs
+from tests.e2e.test_deterministic_bf16 import NEW_TOKENS, plain_outputs, release_models
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,6 +27,7 @@ pytestmark = [
 
 def test_local_yaml_in_bfloat16_drafting_round_ahead_gives_plain_decodings_tokens() -> None:
     prompts, expected = plain_outputs()
+    release_models()  # the replicas below load their own copies
     (application,) = deploy_yaml("local.yaml", {})["applications"]
     config = AppConfig.model_validate(application["args"])
     assert config.router().round_ahead and config.router().ahead_alternatives, "round ahead with alternatives"

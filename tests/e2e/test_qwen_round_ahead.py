@@ -19,7 +19,7 @@ from deploy.app import build_app
 from deploy.config import AppConfig
 from speculative.engine.cpu.onednn_linear import packed
 from tests.actors.serve_helpers import deploy_yaml, free_port, local_ray, run_app
-from tests.fetched import fetched_dir
+from tests.fetched import fetched_dir, free_memory
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -49,6 +49,7 @@ def _references(target: str, cpu_linear: str) -> list[list[int]]:
             out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW)
         outs.append(out[0, len(ids) :].tolist())
     del model
+    free_memory()
     return outs
 
 
