@@ -19,6 +19,7 @@ Quantize = Literal["none", "int8", "int4", "auto"]
 CPU_QUANTIZE = ("int8", "int4")  # formats with CPU kernels only (auto resolves to none on a GPU)
 CpuLinear = Literal["torch", "onednn"]
 Deterministic = Literal["auto", "on", "off"]
+Graphs = Literal["auto", "on", "off"]
 
 # A replica's KV budget (speculative/engine/kv_budget.py): the router admits a sequence only when its prompt
 # plus max_tokens fits in what is left of it, and no window larger than it is advertised.
@@ -86,6 +87,15 @@ class ModelSettings(BaseModel):
         "target with tp_size 1): in float32 a forward of a few tokens costs far less than with MKL's sgemm on AMD "
         "CPUs; in bfloat16 every forward skips the weight reorder torch's Linear does per call (the same bits). "
         "Other dtypes keep torch's kernels.",
+    )
+
+    graphs: Graphs = Field(
+        default="auto",
+        description="Captured forwards (speculative/engine/captured.py): each (rows, tokens) bucket of the model's "
+        "forward compiled whole with torch.compile over a KV cache fixed at start, on CUDA replayed as a CUDA graph "
+        "(no per-op launches from Python); compiled at replica start. auto: on for a CUDA model of a Llama or Qwen2 "
+        "stack, else off. on: also on a CPU (inductor's C++ code; minutes of compiling at start). off: op by op "
+        "(the CPU's fastest path: `cpu_linear`, packed forwards, batch-invariant kernels).",
     )
 
     @model_validator(mode="after")
@@ -221,6 +231,8 @@ class TargetConfig(TargetSettings):
             )
         if self.deterministic == "on" and (self.tp_size > 1 or self.model.device != "cpu"):
             raise ValueError("deterministic: 'on' is for a CPU target with tp_size 1 (the invariant kernels' home)")
+        if self.deterministic == "on" and self.model.graphs == "on":
+            raise ValueError("deterministic: 'on' runs the invariant kernels op by op; set model graphs: 'off'")
         if self.heads is not None and not self.heads.on_target:
             raise ValueError(f"heads: drafter kind {self.heads.kind!r} does not draft on the target")
         return self
@@ -347,5 +359,7 @@ def deterministic_on(config: TargetConfig) -> bool:
     tp_size 1 in bfloat16, where the libraries' kernels change a row's rounding by the forward's shape)."""
     if config.deterministic == "auto":
         model = config.model
-        return model.device == "cpu" and config.tp_size == 1 and resolve_dtype(model.dtype, model.device) == "bfloat16"
+        op_by_op = model.graphs != "on"
+        bf16 = resolve_dtype(model.dtype, model.device) == "bfloat16"
+        return model.device == "cpu" and config.tp_size == 1 and bf16 and op_by_op
     return config.deterministic == "on"

@@ -51,7 +51,8 @@ class DraftWorker:
     def _new_drafter(self) -> Drafter | None:
         window, budget = self.limits.max_model_len, self.limits.kv_budget_tokens
         reserve = preallocated(budget, window) if window is not None and budget is not None else None
-        return self.config.drafter.build(self.model, self.target_vocab, self.grammars, reserve)
+        graphs = self.config.model.graphs if self.config.model is not None else "off"
+        return self.config.drafter.build(self.model, self.target_vocab, self.grammars, reserve, graphs)
 
     async def propose(
         self, cache_key: str, requests: list[DraftRequest], release: list[str], lane: str | None = None

@@ -29,9 +29,10 @@ from actors.loading import Resolver, identity, load_grammars, load_lm
 from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.drafters.heads import TreeHeads
+from speculative.engine.captured import TREE_ROOM, graphs_on, runner_for
 from speculative.engine.invariant import make_deterministic
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
-from speculative.engine.kv_cache import preallocated
+from speculative.engine.kv_cache import fixed, preallocated
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.rules.acceptance import Verdict
@@ -82,17 +83,24 @@ class TargetShard:
         )
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
         chunk = self.config.prefill_chunk_tokens
-        reserve = preallocated(budget, max_model_len(config))
+        window = max_model_len(config)
+        reserve = preallocated(budget, window)
+        graphs = self.config.model.graphs
+        if graphs_on(graphs, model):  # a cache fixed at start: the window advertised is what it holds
+            reserve = fixed(budget, window)
+            window = min(window, reserve[1] - TREE_ROOM)
         grammars = load_grammars(self.config.model.path, self._resolve)  # shared by the groups: soft state by seq id
         heads = self._heads(model)
 
         def verifier() -> TargetVerifier:
-            runner = ModelRunner(model, reserve)
+            runner = runner_for(model, graphs, reserve)
             return TargetVerifier(runner, chunk, eos, grammars, heads(runner) if heads is not None else None)
 
+        if graphs_on(graphs, model):
+            verifier()  # every bucket compiled now, at the replica's start (later groups' captures hit its caches)
         self._verifiers = GroupCaches(verifier, float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
-        self._info = TargetInfo(vocab, eos, self.config.model.path, max_model_len(config), budget)
+        self._info = TargetInfo(vocab, eos, self.config.model.path, window, budget)
         freeze_heap()
         return self._info
 

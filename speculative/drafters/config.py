@@ -29,6 +29,7 @@ from speculative.drafters.hybrid import HybridDrafter
 from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.medusa import DEFAULT_CHOICES, MedusaHeads, MedusaTrees, check_choices, load_medusa
 from speculative.drafters.model import DraftModelDrafter, DraftShape
+from speculative.engine.captured import runner_for
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.rules.grammar import GrammarCompiler
@@ -48,6 +49,7 @@ class DraftInputs(NamedTuple):
     target_vocab: int
     grammars: GrammarCompiler | None  # the draft tokenizer's grammar compiler, masking q (None: unmasked)
     reserve: tuple[int, int] | None  # the draft KV cache's (rows, columns) at start (ModelRunner)
+    graphs: str = "off"  # captured forwards of the draft model (`engine.captured.runner_for`)
 
 
 class DrafterKind(BaseModel):
@@ -91,11 +93,12 @@ class DrafterKind(BaseModel):
         target_vocab: int,
         grammars: GrammarCompiler | None = None,
         reserve: tuple[int, int] | None = None,
+        graphs: str = "off",
     ) -> Drafter | None:
         """The drafter of a draft replica or an in-process decoder (None: plain decoding). `grammars`: the
         draft tokenizer's grammar compiler, masking the draft model's q (None: unmasked); `reserve`: the
-        draft KV cache's (rows, columns) at start (ModelRunner)."""
-        return self._drafter(DraftInputs(draft_model, target_vocab, grammars, reserve))
+        draft KV cache's (rows, columns) at start (ModelRunner); `graphs`: the model's `graphs` setting."""
+        return self._drafter(DraftInputs(draft_model, target_vocab, grammars, reserve, graphs))
 
     def _drafter(self, given: DraftInputs) -> Drafter | None:
         """This kind's drafter of `given` (None: plain decoding)."""
@@ -152,7 +155,7 @@ class DraftModelKind(DrafterKind):
         if given.draft_model is None:
             raise ValueError(f"drafter kind {self.kind!r} needs a draft model")
         return DraftModelDrafter(
-            ModelRunner(given.draft_model, given.reserve, lean=True),  # a draft's forwards are a few tokens
+            runner_for(given.draft_model, given.graphs, given.reserve, lean=True),  # a draft's forwards: a few tokens
             given.target_vocab,
             DraftShape(self.tree_width, self.tree_nodes, self.sampled),
             eos_ids=eos_ids_of(given.draft_model),

@@ -28,12 +28,12 @@ from speculative.engine.packing import packed_attention
 KNOWN = ("LlamaModel", "Qwen2Model")  # base models whose decoder layers are the loop below
 
 
-def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:  # [T, H] -> [T, H]
+def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:  # [T, H] -> [T, H]
     """`LlamaRMSNorm` / `Qwen2RMSNorm`: normalized in float32, back to x's dtype, then scaled."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype) * norm.weight
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D]
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D]
     """Rotary embedding as `apply_rotary_pos_emb` computes it (halves rotated, not interleaved pairs)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -60,16 +60,16 @@ class LeanStack:
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             d = attn.head_dim
-            h = _rms_norm(x, layer.input_layernorm)
+            h = rms_norm(x, layer.input_layernorm)
             q = attn.q_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, heads, T, D]
             k = attn.k_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, kv_heads, T, D]
             v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
-            keys, values = cache.update(_rotated(k, cos, sin), v, i)  # [B, kv_heads, width, D] each
-            o, _ = packed_attention(attn, _rotated(q, cos, sin), keys, values, mask, dropout=0.0, scaling=attn.scaling)
+            keys, values = cache.update(rotated(k, cos, sin), v, i)  # [B, kv_heads, width, D] each
+            o, _ = packed_attention(attn, rotated(q, cos, sin), keys, values, mask, dropout=0.0, scaling=attn.scaling)
             x = x + attn.o_proj(o.reshape(t, -1))
-            h = _rms_norm(x, layer.post_attention_layernorm)
+            h = rms_norm(x, layer.post_attention_layernorm)
             x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return _rms_norm(x, base.norm)
+        return rms_norm(x, base.norm)
 
 
 def lean_stack(base: torch.nn.Module) -> LeanStack | None:

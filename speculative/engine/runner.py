@@ -42,6 +42,24 @@ class _Speculative:
         )
 
 
+@dataclass(frozen=True)
+class Step:
+    """One forward's new tokens in the runner's [B, n] layout (rows adding fewer tokens leave pads)."""
+
+    tokens: np.ndarray  # [B, n] int64, pads 0
+    positions: np.ndarray  # [B, n] int64 position ids
+    valid: np.ndarray  # [B, n] bool: a row's own token, not a pad
+    lengths: list[int]  # [B] new tokens per row
+    start: int  # speculative columns before this forward
+
+    def cells(self, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # [T] rows, [T] cache columns
+        """The cache slot and column of each new token, packed row by row."""
+        batch, n = self.tokens.shape
+        columns = lens[:, None] + self.start + np.arange(n)  # [B, n]
+        rows = np.broadcast_to(np.arange(batch)[:, None], (batch, n))  # [B, n]
+        return rows[self.valid], columns[self.valid]
+
+
 class ModelRunner:
     """Batched prefill, decode and tree verification with commit/rollback, for any HF causal LM."""
 
@@ -167,22 +185,26 @@ class ModelRunner:
         if ((new_parents >= start + np.arange(n)) & valid).any():
             raise ValueError("a token's parent must be an earlier column")
         self._extend_speculation(new_tokens, new_parents)
-        width = bucketed(self.width + start + n)  # attended columns: every row's committed + speculative
-        self.cache.reserve(batch, width)
-        mask = self._attention_mask(start, n, width)  # [B, 1, n, width]
         positions = self.lens[:, None] + self.spec.depths[:, start:]  # [B, n]
-        columns = self.lens[:, None] + start + np.arange(n)  # [B, n] cache column of each new token
-        rows = np.broadcast_to(np.arange(batch)[:, None], (batch, n))  # [B, n]
-        dev = self.device
-        index = self.cache.index(*(torch.from_numpy(a[valid]) for a in (rows, columns)))  # [T]
-        write = Write(index.to(dev), batch, width)
-        packed_tokens, packed_positions = torch.from_numpy(new_tokens[valid]), torch.from_numpy(positions[valid])  # [T]
-        hidden = self._run(lengths, packed_tokens, packed_positions, mask, write)  # [T, H], T = sum(lengths)
+        hidden = self._execute(Step(new_tokens, positions, valid, lengths, start))  # [T, H], T = sum(lengths)
         if logits_at is None:
             return None
         offsets = row_offsets(lengths)
         asked = [min(a + offsets[b], len(hidden) - 1) for b, at in enumerate(logits_at) for a in at]  # packed
         return hidden[torch.tensor(asked, dtype=torch.long, device=self.device)]  # [P, H]
+
+    def _execute(self, step: Step) -> torch.Tensor:  # [T, H] the rows' new tokens' hidden states, packed
+        """One forward of `step` over the cache as it grows: attention over the bucketed width in use."""
+        batch, n = step.tokens.shape
+        width = bucketed(self.width + step.start + n)  # attended columns: every row's committed + speculative
+        self.cache.reserve(batch, width)
+        mask = self._attention_mask(step.start, n, width)  # [B, 1, n, width]
+        rows, columns = step.cells(self.lens)
+        index = self.cache.index(torch.from_numpy(rows), torch.from_numpy(columns))  # [T]
+        write = Write(index.to(self.device), batch, width)
+        packed_tokens = torch.from_numpy(step.tokens[step.valid])  # [T]
+        packed_positions = torch.from_numpy(step.positions[step.valid])  # [T]
+        return self._run(step.lengths, packed_tokens, packed_positions, mask, write)
 
     def _run(
         self,
