@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from speculative.drafters.base import Proposal
 from speculative.drafters.heads import HeadInput, NextTree, TreeHeads
@@ -27,9 +28,11 @@ from speculative.engine.runner import ModelRunner, chain_parents
 from speculative.rules.acceptance import Verdict, follow_choices
 from speculative.rules.grammar import GrammarCompiler
 from speculative.rules.logprobs import token_logprobs
-from speculative.rules.processing import node_context
-from speculative.rules.sampling import SamplingParams
+from speculative.rules.processing import node_context, processed, processes
+from speculative.rules.rng import KeyedDraws, Stream
+from speculative.rules.sampling import SamplingParams, probs_from_logits
 from speculative.rules.verify import argmax_decides, verify_tree
+from speculative.rules.walk import Rule, Trees, walk
 
 
 @dataclass(frozen=True)
@@ -63,13 +66,16 @@ class TargetVerifier:
         eos_ids: frozenset[int] = frozenset(),
         grammars: GrammarCompiler | None = None,
         heads: TreeHeads | None = None,
+        device_round: bool | None = None,
     ) -> None:
         """`prefill_chunk`: most catch-up tokens per forward, over all rows (None: no limit). `eos_ids`:
         the model's end tokens, banned with the stop ids before a request's `min_tokens`. `grammars`:
         the target tokenizer's grammar compiler (structured output); None refuses requests with one.
         `heads`: heads drafting from the target's hidden states (Medusa, EAGLE: `drafters.heads`), given
         those of every kept position after each forward; the tree each drafts for a sequence's next round
-        is kept in `drafted` (what `drafters.heads.TreeDrafter` reads in-process) and rides on its verdict."""
+        is kept in `drafted` (what `drafters.heads.TreeDrafter` reads in-process) and rides on its verdict.
+        `device_round`: every row's acceptance walked where the logits are (`rules.walk`), one read-back of
+        ids per round; None: on a GPU (on a CPU the host walk reads fewer numbers for the same work)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, not {prefill_chunk}")
         self.runner = runner
@@ -78,6 +84,7 @@ class TargetVerifier:
         self.grammars = grammars
         self.heads = heads
         self.drafted: dict[str, NextTree] = {}  # per sequence, the heads' tree after its last verdict
+        self.device_round = runner.device.type == "cuda" if device_round is None else device_round
 
     @property
     def vocab_size(self) -> int:
@@ -179,6 +186,9 @@ class TargetVerifier:
         Greedy rows without penalties need only each node's argmax: taken where the logits are, so
         only [P] ids cross to the CPU; the others get float32 distributions there, in one transfer."""
         starts = row_offsets([len(a) for a in forward.logits_at])  # each runner row's first logits row
+        if self.device_round:
+            firsts = {k: starts[row] for k, row in enumerate(rows) if row not in forward.prefilling}
+            return self._kept(rows, forward, self._walked(items, firsts, logits))
         argmax_only = [argmax_decides(item.params) for item in items]
         best = logits.argmax(-1).tolist() if any(argmax_only) else []  # [P]
         sizes = {row: item.proposal.tree.size + 1 for item, row in zip(items, rows, strict=True)}  # root included
@@ -188,12 +198,9 @@ class TargetVerifier:
             index = torch.cat([torch.arange(starts[r], starts[r] + sizes[r]) for r in full]).to(logits.device)
             moved = logits[index].float().cpu().split([sizes[r] for r in full])
             host = dict(zip(full, moved, strict=True))
-        verdicts: list[Verdict] = []
-        keep: list[list[int]] = [[] for _ in self.runner.rows]
-        for item, row, off, a in zip(items, rows, forward.offsets, argmax_only, strict=True):
+        found: dict[int, Verdict] = {}
+        for k, (item, row, a) in enumerate(zip(items, rows, argmax_only, strict=True)):
             if row in forward.prefilling:
-                verdicts.append(Verdict((), ()))
-                keep[row] = list(range(forward.prefilling[row]))
                 continue
             if a:
                 verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
@@ -201,13 +208,67 @@ class TargetVerifier:
                 seq = (item.seq_id, item.tokens, item.prompt_len)
                 context = node_context(*seq, item.params, self.eos_ids, self.grammars)
                 verdict = verify_tree(item.proposal, host[row], context, item.params)
-            if item.params.logprobs is not None:
-                emitting = torch.tensor([starts[row] + node for node in verdict.path], device=logits.device)
-                found = token_logprobs(logits[emitting], verdict.tokens, item.params.logprobs)
-                verdict = replace(verdict, logprobs=found)
-            verdicts.append(verdict)
-            keep[row] = list(range(off)) + [off + node for node in verdict.path]
+            found[k] = _with_logprobs(verdict, item, starts[row], logits)
+        return self._kept(rows, forward, found)
+
+    def _kept(
+        self, rows: list[int], forward: _Forward, found: dict[int, Verdict]
+    ) -> tuple[list[Verdict], list[list[int]]]:
+        """Each item's verdict (an empty one while prefilling) and each runner row's kept columns."""
+        verdicts: list[Verdict] = []
+        keep: list[list[int]] = [[] for _ in self.runner.rows]
+        for k, (row, off) in enumerate(zip(rows, forward.offsets, strict=True)):
+            if row in forward.prefilling:
+                verdicts.append(Verdict((), ()))
+                keep[row] = list(range(forward.prefilling[row]))
+                continue
+            verdicts.append(found[k])
+            keep[row] = list(range(off)) + [off + node for node in found[k].path]
         return verdicts, keep
+
+    def _walked(self, items: list[VerifyItem], firsts: dict[int, int], logits: torch.Tensor) -> dict[int, Verdict]:
+        """The verdicts of the items in `firsts` (item index -> its root's row in `logits` [P, V]), walked on the
+        logits' device (`rules.walk`): the rows' transforms, argmaxes and distributions stay there and one
+        [R, D + 2] tensor of ids is read back. (A grammar's dead-row check and logprobs read back more.)"""
+        walking = list(firsts)
+        found: dict[int, Verdict] = {}
+        if walking:
+            trees = [items[k].proposal.tree for k in walking]
+            shape = Trees.of(trees, logits.device)
+            nodes, fan = shape.children.shape[1:]
+            best, probs, draft, rules, draws = [], [], [], [], []
+            for k in walking:
+                item = items[k]
+                tree = item.proposal.tree
+                scores = logits[firsts[k] : firsts[k] + tree.size + 1]  # [n+1, V]
+                if processes(item.params):
+                    context = node_context(
+                        item.seq_id, item.tokens, item.prompt_len, item.params, self.eos_ids, self.grammars
+                    )
+                    paths = [tree.path_tokens(node) for node in range(tree.size + 1)]
+                    scores = processed(scores.float(), context, paths, item.params)
+                pad = (0, 0, 0, nodes - tree.size - 1)
+                best.append(F.pad(scores.argmax(-1), pad[2:]))
+                sampled = not item.params.greedy
+                probs.append(F.pad(probs_from_logits(scores, item.params), pad) if sampled else None)
+                q = item.proposal.draft_probs if sampled else None
+                draft.append(None if q is None else F.pad(q.to(logits.device, torch.float32), pad))
+                rules.append(Rule.GREEDY if not sampled else Rule.SAMPLE if q is None else Rule.REJECT)
+                keyed, base = KeyedDraws(item.params.seed, Stream.TARGET), len(item.tokens)
+                draws.append([[keyed(base + d, j) for j in range(fan + 1)] for d in range(shape.depth + 1)])
+            walked = walk(
+                shape,
+                torch.tensor(rules, dtype=torch.long, device=logits.device),
+                torch.stack(best),
+                _stacked(probs, nodes, logits),
+                _stacked(draft, nodes, logits),
+                torch.tensor(draws, dtype=torch.float64, device=logits.device),
+            ).tolist()  # [R, D + 2]: the round's one read-back
+            for k, tree, ids in zip(walking, trees, walked, strict=True):
+                accepted = tuple(n for n in ids[:-1] if n >= 0)
+                verdict = Verdict(accepted, (*[tree.token(n) for n in accepted], ids[-1]))
+                found[k] = _with_logprobs(verdict, items[k], firsts[k], logits)
+        return found
 
     def release(self, seq_ids: list[str]) -> None:
         for s in seq_ids:
@@ -229,3 +290,20 @@ def _subset(gather: list[list[int]], wanted: list[list[int]]) -> torch.Tensor:
     """Indices into rows packed by `gather` (each row's every column) of each row's `wanted` columns."""
     starts = row_offsets([len(g) for g in gather])
     return torch.tensor([starts[row] + c for row, cols in enumerate(wanted) for c in cols], dtype=torch.long)
+
+
+def _stacked(
+    rows: list[torch.Tensor | None], nodes: int, like: torch.Tensor
+) -> torch.Tensor | None:  # [R, N, V] float32, zeros where a row has none
+    if all(r is None for r in rows):
+        return None
+    empty = like.new_zeros(nodes, like.shape[-1], dtype=torch.float32)
+    return torch.stack([empty if r is None else r.float() for r in rows])
+
+
+def _with_logprobs(verdict: Verdict, item: VerifyItem, first: int, logits: torch.Tensor) -> Verdict:
+    """The verdict with its tokens' logprobs where the request asks (`first`: its root's logits row)."""
+    if item.params.logprobs is None:
+        return verdict
+    emitting = torch.tensor([first + node for node in verdict.path], device=logits.device)
+    return replace(verdict, logprobs=token_logprobs(logits[emitting], verdict.tokens, item.params.logprobs))
