@@ -92,10 +92,10 @@ class ModelSettings(BaseModel):
     graphs: Graphs = Field(
         default="auto",
         description="Captured forwards (speculative/engine/captured.py): each (rows, tokens) bucket of the model's "
-        "forward compiled whole with torch.compile over a KV cache fixed at start, on CUDA replayed as a CUDA graph "
-        "(no per-op launches from Python); compiled at replica start. auto: on for a CUDA model of a Llama or Qwen2 "
-        "stack, else off. on: also on a CPU (inductor's C++ code; minutes of compiling at start). off: op by op "
-        "(the CPU's fastest path: `cpu_linear`, packed forwards, batch-invariant kernels).",
+        "forward captured whole over a KV cache fixed at start, on CUDA replayed as a CUDA graph (no per-op "
+        "launches from Python); captured at replica start. auto: on for a CUDA model of a Llama or Qwen2 stack "
+        "(a target of tp_size 1), else off. on: also on a CPU (inductor's C++ code; minutes of compiling at "
+        "start). off: op by op (the CPU's fastest path: `cpu_linear`, packed forwards, batch-invariant kernels).",
     )
 
     @model_validator(mode="after")
@@ -231,6 +231,8 @@ class TargetConfig(TargetSettings):
             )
         if self.deterministic == "on" and (self.tp_size > 1 or self.model.device != "cpu"):
             raise ValueError("deterministic: 'on' is for a CPU target with tp_size 1 (the invariant kernels' home)")
+        if self.model.graphs == "on" and self.tp_size > 1:
+            raise ValueError("graphs: 'on' needs tp_size 1 (tensor-parallel shards run their forwards op by op)")
         if self.deterministic == "on" and self.model.graphs == "on":
             raise ValueError("deterministic: 'on' runs the invariant kernels op by op; set model graphs: 'off'")
         if self.heads is not None and not self.heads.on_target:

@@ -85,7 +85,7 @@ class TargetShard:
         chunk = self.config.prefill_chunk_tokens
         window = max_model_len(config)
         reserve = preallocated(budget, window)
-        graphs = self.config.model.graphs
+        graphs = self.config.model.graphs if world == 1 else "off"  # TP shards: DeepSpeed's forward, op by op
         if graphs_on(graphs, model):  # a cache fixed at start: the window advertised is what it holds
             reserve = fixed(budget, window)
             window = min(window, reserve[1] - TREE_ROOM)

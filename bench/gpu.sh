@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One prepared GPU run of the bench/gpu/ package (< 8 minutes): Llama-3.1-8B target / Llama-3.2-1B draft shapes,
-# random weights in bf16, oracle drafts; no download, no Ray. Results (gpu.json, gpu.md, gpu.png,
-# gpu.log, gpu_nvidia-smi.txt) go to the folder given as $1, else $OUT, else bench/results/.
+# random weights in bf16, no download. First the served application (router, draft pool, target pool on a
+# local Ray, captured forwards, drafts from draft models agreeing with the target on 0.8 of tokens:
+# bench/gpu/served.py; it needs ray[serve], pydantic, fastapi and llguidance importable, and the proto stubs
+# of `make proto`, else it reports the import error and the rest runs), then the decoder alone with oracle
+# drafts. Results (gpu.json, gpu.md, gpu.png, gpu.log, gpu_nvidia-smi.txt) go to the folder given as $1,
+# else $OUT, else bench/results/.
 #   bash bench/gpu.sh [OUT_DIR] [extra bench.gpu flags]     e.g. bash bench/gpu.sh "$OUT" --budget-s 200
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -36,6 +36,19 @@ def markdown(results: dict[str, Any]) -> str:
     bound = _section(results, "bound")
     if isinstance(bound, dict):
         parts.append("## Bandwidth bound, batch 1 (weights read once per token)\n\n" + _table([bound], list(bound)))
+    served = _section(results, "served")
+    if isinstance(served, dict):
+        rows = [{"row": name, **value} for name, value in served.items() if isinstance(value, dict)]
+        cols = ["row", "batch", "tokens", "seconds", "tokens_per_s", "share_of_bound", "speedup", "acceptance"]
+        parts.append(
+            "## The served application (router, draft pool, target pool on a local Ray; requests through the "
+            f"router's handle; drafts agreeing with the target on {served.get('agreement')} of tokens, "
+            f"k = {served.get('k')})\n\n"
+            + _table(rows, [*cols, "exact", "skipped"])
+            + f"\n\nRound ahead vs sequential drafting: {served.get('round_ahead_vs_sequential', '-')}"
+        )
+    elif served is not None:
+        parts.append(f"## The served application\n\n{served}")
     target = _section(results, "target")
     if isinstance(target, dict):
         parts.append("## Target alone, batch 1\n\n" + _table([target], list(target)))

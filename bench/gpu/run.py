@@ -4,6 +4,8 @@ Sections, each under its own time budget, each wrapped so that a failure prints 
 the rest still runs; results are written after every section, so a timeout still returns data:
 - bound: the batch-1 bandwidth bound, bandwidth (the GPU's specification, else a measured copy)
   over the target's weight bytes (bench/gpu/bandwidth.py), and a headline against it;
+- served: the served application (router, draft pool, target pool on a local Ray) with real draft
+  models agreeing with the target on a set share of tokens (bench/gpu/served.py);
 - target: the target alone, batch 1 (T per token) and the references the oracle follows;
 - oracle: speculation with an oracle draft of set acceptance over a grid of (acceptance, k):
   L, V, D, measured speedup, bound L*T/(V+D) and efficiency = speedup / bound;
@@ -35,6 +37,7 @@ from bench.gpu import sections as sec
 from bench.gpu.bandwidth import bound_section
 from bench.gpu.random_models import build_model, confident_init
 from bench.gpu.report import markdown, plot
+from bench.gpu.served import section as served_section
 
 NAME = "gpu"
 
@@ -52,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ks", default="2,4,6")
     parser.add_argument("--batches", default=None, help="batch sizes for the throughput section")
     parser.add_argument("--only-batch", action="store_true", help="run the throughput-by-batch section alone")
+    parser.add_argument("--no-served", dest="served", action="store_false", help="skip the served application")
+    parser.add_argument("--agreement", type=float, default=0.8, help="served drafts' agreement with the target")
+    parser.add_argument("--served-batch", type=int, default=None, help="concurrent requests of the served batch row")
     parser.add_argument(
         "--context",
         type=float,
@@ -65,6 +71,7 @@ def parse_args() -> argparse.Namespace:
     args.prompt_len = args.prompt_len or (16 if tiny else 128)
     args.new_tokens = args.new_tokens or (24 if tiny else 128)
     args.batches = args.batches or ("2,4" if tiny else "8,32")
+    args.served_batch = args.served_batch or (4 if tiny else 32)
     return args
 
 
@@ -155,7 +162,13 @@ def main() -> None:
         refs.extend(outputs)
         return row
 
-    sections.run("bound", 1.0, lambda _d: bound_section(bench.target))
+    bound = sections.run("bound", 1.0, lambda _d: bound_section(bench.target)) or {}
+    if args.served:
+        sections.run(
+            "served",
+            0.5,
+            lambda d: served_section(bench, bound.get("bound_tokens_per_s"), args.agreement, 4, args.served_batch, d),
+        )
     if not args.only_batch:
         row = sections.run("target", 0.15, target)
         if row is None:

@@ -17,10 +17,12 @@ forward runs, never in what it computes:
   graph is replayed as a CUDA graph). Forwards larger than every bucket (long prefill chunks) run
   the same step uncompiled.
 
-Why `torch.compile` and not hand-held `torch.cuda.CUDAGraph` capture: the same code then compiles on
-the CPU (CI proves every bucket captures whole, with no graph break and no host sync inside, on tiny
-Llama and Qwen2 models), inductor fuses the norms, rotary and activations that eager runs as separate
-kernels, and cudagraph trees share one memory pool across the buckets' graphs.
+How a bucket is captured (`Compiler`): on CUDA by default `cuda_graphs`, the eager step recorded as a
+`torch.cuda.CUDAGraph` (seconds per bucket at a replica's start, where inductor takes minutes per
+bucket for an 8B stack: a start of dozens of buckets would take an hour); `inductor` adds fused
+kernels where a longer start pays. What makes either possible is checked on the CPU: every bucket's
+step compiles whole through dynamo (`fullgraph=True`: no graph break, no host sync inside, on tiny
+Llama and Qwen2 models in CI), the capture CUDA graphs need.
 
 The step is the stack of `lean_stack` (Llama, Qwen2) with attention as one SDPA call over the fixed
 cache; other architectures are refused at construction (`graphs: auto` then keeps `ModelRunner`).
@@ -128,9 +130,49 @@ class _Inputs:
 
 
 def default_compiler(device: torch.device) -> Compiler:
-    """inductor; on CUDA in mode "reduce-overhead" (each bucket's graph replayed as a CUDA graph)."""
+    """CUDA: `cuda_graphs` (seconds per bucket at start); elsewhere inductor (`torch.compile`, fullgraph)."""
+    if device.type == "cuda":
+        return cuda_graphs()
+    return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def inductor(device: torch.device) -> Compiler:
+    """torch.compile with inductor, on CUDA in mode "reduce-overhead" (its graphs replayed as CUDA graphs): fused
+    norms, rotary and activations, for minutes of compiling per bucket at start."""
     mode = "reduce-overhead" if device.type == "cuda" else None
     return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def cuda_graphs() -> Compiler:
+    """Each bucket's step recorded once as a `torch.cuda.CUDAGraph` (after two warm-up runs on a side stream)
+    and replayed: the eager kernels without a launch from Python each. Every graph shares one memory pool
+    (one forward runs at a time, and its output is gathered before the next replays)."""
+    pool: list[Any] = [None]
+
+    def capture(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        graph: torch.cuda.CUDAGraph | None = None
+        out: torch.Tensor | None = None
+
+        def replay(*inputs: torch.Tensor) -> torch.Tensor:
+            nonlocal graph, out
+            if graph is None:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # lazy initialisations (cuBLAS workspaces) outside the recording
+                        fn(*inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool[0]):
+                    out = fn(*inputs)
+                pool[0] = graph.pool()
+            graph.replay()
+            assert out is not None
+            return out
+
+        return replay
+
+    return capture
 
 
 def backend_compiler(backend: str) -> Compiler:

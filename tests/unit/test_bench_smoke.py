@@ -1,4 +1,5 @@
-"""The CPU dry runs of the GPU benchmark and the overhead benchmark: every code path runs, outputs stay exact."""
+"""The CPU dry runs of the GPU benchmark (`bash bench/gpu.sh`'s code, the served application included) and the
+overhead benchmark: every code path runs, outputs stay exact."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ def test_gpu_bench_tiny_runs_every_section_exactly(tmp_path: Path) -> None:
         row["exact"] == f"{results['args']['prompts']}/{results['args']['prompts']}" for row in results["oracle"]
     )
     assert all(row["exact"].split("/")[0] == row["exact"].split("/")[1] for row in results["batch"])
+    served = results["served"]  # the application on a local Ray, its drafts from real agreeing draft models
+    for row in ("near_free", "draft_round_ahead", "draft_sequential"):
+        assert served[row]["exact"] is True and 0.3 < served[row]["acceptance"] < 1.0, (row, served[row])
+    assert served["plain"]["tokens_per_s"] > 0 and served["batch"]["batch"] == 4
     assert "## Headline" in (tmp_path / "gpu.md").read_text()
+    assert "## The served application" in (tmp_path / "gpu.md").read_text()
 
 
 def test_overhead_bench_reports_every_shape(tmp_path: Path) -> None:
