@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from actors.admission import ContextWindow
@@ -69,7 +70,18 @@ class FrontDoorConfig(BaseModel):
         min_length=1, max_length=256, description="The `model` clients send and /v1/models lists."
     )
     api_key: SecretStr | None = Field(
-        default=None, description="Bearer token required on /v1/* and on gRPC calls; None leaves them open."
+        default=None,
+        description="Bearer token required on /v1/*, /tokenize, /detokenize, /docs, /openapi.json and gRPC calls; "
+        "None (and no api_key_env) leaves them open. Prefer api_key_env: a config value is seen by whoever reads "
+        "the config (serve status, the dashboard).",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The environment variable the ingress replicas read the API key from at start (a Kubernetes "
+        "Secret mapped to it, or `export` before `ray start`); a replica where it is unset or empty fails to start.",
     )
     context_window: int | None = Field(
         default=None,
@@ -109,6 +121,14 @@ class FrontDoorConfig(BaseModel):
         "`truncate_prompt_tokens`...) are refused all the same. `reject`: any unknown field is a 400 naming it, as "
         "OpenAI answers. Known fields are validated strictly either way (docs/openai.md).",
     )
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> FrontDoorConfig:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError(
+                "front_door: api_key and api_key_env both set; keep one (api_key_env keeps it out of configs)"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -181,18 +201,29 @@ class FrontDoor:
 
 
 def load_front_door(config: FrontDoorConfig, model: str, resolve: Callable[[str], str] = str) -> FrontDoor:
-    """The target model's tokenizer and context window (no weights); `resolve` as in actors/loading.py."""
+    """The target model's tokenizer and context window (no weights), and the API key from `api_key_env`;
+    `resolve` as in actors/loading.py."""
     from transformers import AutoConfig, AutoTokenizer
+
+    if config.api_key_env is not None:
+        key = os.environ.get(config.api_key_env, "")
+        if not key:
+            raise ValueError(
+                f"front_door.api_key_env: {config.api_key_env} is unset or empty in this replica's environment"
+            )
+        config = config.model_copy(update={"api_key": SecretStr(key)})
 
     path = resolve(model)
     window = config.context_window or int(AutoConfig.from_pretrained(path).max_position_embeddings)
     return FrontDoor(config, AutoTokenizer.from_pretrained(path), window)
 
 
-def too_large(size: int, limit: int) -> RequestError:
-    """The refusal of a request over `max_request_bytes` (HTTP 413; gRPC RESOURCE_EXHAUSTED)."""
+def too_large(size: int | None, limit: int) -> RequestError:
+    """The refusal of a request over `max_request_bytes` (HTTP 413; gRPC RESOURCE_EXHAUSTED); `size`: its bytes,
+    None where it was cut off unread past the limit."""
+    said = f"{size} bytes" if size is not None else f"over {limit} bytes (cut off there)"
     return RequestError(
-        f"The request is {size} bytes; this server takes at most {limit} bytes (front_door.max_request_bytes).",
+        f"The request is {said}; this server takes at most {limit} bytes (front_door.max_request_bytes).",
         status=413,
         code="request_too_large",
     )

@@ -1,4 +1,5 @@
-"""A middleware for Serve's HTTP proxy: an event stream cut off mid-body ends with an error event instead.
+"""A middleware for Serve's HTTP proxy: an event stream cut off mid-body ends with an error event instead,
+and the proxy's per-request hint headers (`PROXY_HINTS`) are not taken from clients.
 
 When the router replica streaming a response dies (killed, its node lost, or stopped by Serve once
 its `graceful_shutdown_timeout_s` ran out), Serve's proxy stops forwarding the response without
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "deploy.front.proxy_guard:middlewares"
 
+# Headers Serve's proxy reads as per-request hints from a trusted load balancer in front of it: from a client,
+# `x-request-disconnect-disabled: ?1` would keep an abandoned request generating and `x-request-timeout-seconds`
+# would lift the configured timeout. Dropped before the proxy reads them.
+PROXY_HINTS = frozenset({b"x-request-disconnect-disabled", b"x-request-timeout-seconds"})
+
 CUT_OFF = {
     "message": "the stream was cut off: the server replica generating it went away; retry the request",
     "type": "server_error",
@@ -50,6 +56,7 @@ class StreamGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() not in PROXY_HINTS]}
         state = {"events": False, "ended": False}
 
         async def watched(message: Message) -> None:

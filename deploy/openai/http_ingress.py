@@ -5,6 +5,7 @@
     GET  /v1/models             the served model; GET /v1/models/{id} its card
     POST /tokenize, /detokenize vLLM's: the token ids a prompt or conversation runs on, and back
     GET  /health                readiness: 200 while a target replica can serve, else 503 (no API key)
+    GET  /docs, /openapi.json   the API's documents (behind the key, when one is set)
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for every malformed
 request (FastAPI's 422 included), 401 for a missing or wrong API key, 404 for an unknown model or
@@ -49,7 +50,8 @@ from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -74,7 +76,14 @@ class OpenAIIngress:
 
 def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
     """The OpenAI-compatible app over `backend` (the router, or anything with its methods)."""
-    app = FastAPI(title="specserve", summary="Lossless speculative decoding, OpenAI-compatible")
+    # The API's documents are served below, behind the key like the API they describe.
+    app = FastAPI(
+        title="specserve",
+        summary="Lossless speculative decoding, OpenAI-compatible",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     _install_error_handlers(app, front)
 
     def authorize(request: Request) -> None:
@@ -85,12 +94,28 @@ def build_http_app(backend: Backend, front: FrontDoor) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while a target replica can serve; else 503 saying why in words (the details go to the log only:
+        /health needs no key, and an exception's text can name hosts, paths and actor ids)."""
+        limit = front.config.health_timeout_s
         try:
-            await asyncio.wait_for(backend.ready(), front.config.health_timeout_s)
+            await asyncio.wait_for(backend.ready(), limit)
+        except TimeoutError:
+            why = f"no target replica answered within {limit:g} s"
         except Exception as e:
-            error = RequestError(f"not ready: {e!r}", status=503, type="server_error", code="not_ready")
-            return JSONResponse(ErrorBody.of(error).model_dump(), status_code=503)
-        return JSONResponse({"status": "ok", "model": front.model_name})
+            logger.warning("health: the target pool cannot serve: %r", e)
+            why = "no target replica can serve now (the server log has the details)"
+        else:
+            return JSONResponse({"status": "ok", "model": front.model_name})
+        error = RequestError(f"not ready: {why}", status=503, type="server_error", code="not_ready")
+        return JSONResponse(ErrorBody.of(error).model_dump(), status_code=503)
+
+    @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="specserve")
 
     async def card() -> ModelCard:
         window = front.served_window(await backend.info())
@@ -157,20 +182,17 @@ def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 RequestError once it is over `limit` bytes.
-
-    A body over the limit is still read to its end (and dropped): a client gets its 413 only after
-    it has sent the whole body, and a server that answers early closes a connection the client is
-    still writing to, which the client sees as a reset rather than the 413.
-    """
+    """The body, or a 413 RequestError as soon as it is known to be over `limit` bytes: a declared Content-Length
+    over it before a byte is read, a body sent without one once what arrived passes it. The rest is never read
+    (a 100 MB body costs the server `limit` bytes, not 100 MB); the connection closes after the answer."""
     declared = request.headers.get("content-length", "")
-    body, size = bytearray(), 0
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-    if size > limit or (declared.isdigit() and int(declared) > limit):
-        raise too_large(max(size, int(declared) if declared.isdigit() else 0), limit)
+        body += chunk
+        if len(body) > limit:
+            raise too_large(None, limit)
     return bytes(body)
 
 
