@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from deploy.front.grpc_decoding import add_servicer
 from deploy.front.grpc_ingress import GrpcIngress, GrpcStatus
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -46,7 +47,7 @@ class RecordedStatus:
 
 
 class PlainServicer(pb_grpc.SpecServeServicer):
-    """`GrpcIngress` methods on a plain grpc.aio server: `add_SpecServeServicer_to_server(PlainServicer(x), server)`."""
+    """`GrpcIngress` methods on a plain grpc.aio server: `add_servicer(PlainServicer(x), server)`."""
 
     def __init__(self, ingress: GrpcIngress) -> None:
         self._ingress = ingress
@@ -74,20 +75,21 @@ class PlainServicer(pb_grpc.SpecServeServicer):
 
 def run_grpc(
     ingress: GrpcIngress,
-    scenario: Callable[[pb_grpc.SpecServeStub], Awaitable[Any]],
+    scenario: Callable[[Any], Awaitable[Any]],
     options: Sequence[tuple[str, Any]] = (),
+    raw: bool = False,
 ) -> Any:
-    """Serve `ingress` on 127.0.0.1 (a free port) for one scenario, in this test's event loop;
-    `options`: the server's and the channel's gRPC options."""
+    """Serve `ingress` on 127.0.0.1 (a free port) for one scenario, in this test's event loop; the scenario gets a
+    `SpecServeStub`, or with `raw` the channel itself; `options`: the server's and the channel's gRPC options."""
 
     async def main() -> Any:
         server = grpc.aio.server(options=options)
-        pb_grpc.add_SpecServeServicer_to_server(PlainServicer(ingress), server)
+        add_servicer(PlainServicer(ingress), server)  # as Serve's proxy registers it (grpc_servicer_functions)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-                return await scenario(pb_grpc.SpecServeStub(channel))
+                return await scenario(channel if raw else pb_grpc.SpecServeStub(channel))
         finally:
             await server.stop(grace=None)
 

@@ -39,10 +39,10 @@ from deploy.front.frontdoor import (
     sampling_params,
     too_large,
 )
+from deploy.front.grpc_decoding import SERVICER_FUNCTION, Undecodable
 from proto import specserve_pb2 as pb
-from proto import specserve_pb2_grpc as pb_grpc
 
-GRPC_SERVICER_FUNCTIONS = [f"{pb_grpc.__name__}.add_SpecServeServicer_to_server"]
+GRPC_SERVICER_FUNCTIONS = [SERVICER_FUNCTION]  # requests decoded without raising (grpc_decoding.py)
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _HTTP_TO_GRPC = {
@@ -168,6 +168,9 @@ async def _admit(
 ) -> tuple[list[int], dict[str, Any]]:
     if not front.authorized(_bearer(context)):
         raise GrpcStatus(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer <key>` metadata")
+    if isinstance(request, Undecodable):  # bytes that are not a GenerateRequest (grpc_decoding.add_servicer)
+        details = f"the request is not a specserve.v1.GenerateRequest: {request.error}"
+        raise GrpcStatus(grpc.StatusCode.INVALID_ARGUMENT, details)
     try:
         # Serve's gRPC proxy takes messages up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE (2 GiB by default), an
         # environment variable of every proxy process that an application's config cannot set, so the

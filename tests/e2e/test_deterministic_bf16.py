@@ -1,7 +1,8 @@
 """The same tokens in bfloat16: on the real Qwen pair with the target's forwards batch invariant (what
 `target_pool.deterministic: auto` gives a bfloat16 CPU target), a verify row's logits are the one-token
 step's bits, and greedy output with speculation (chain, tree, lookup, hybrid, Medusa, EAGLE drafts) is plain
-decoding's, token for token, over 12 prompts of 128 tokens, each the same alone as beside 11 others.
+decoding's, token for token, over 12 prompts of 128 tokens (6 of them for the heads), each the same alone as
+beside 11 others.
 
 Without the invariant kernels the libraries' kernels round a row by the forward's shape, and this fails (a
 verify's rows differ from the steps', and greedy output parts from plain decoding on some prompts). Runs
@@ -162,9 +163,12 @@ def test_a_verify_row_is_the_one_token_steps_bits() -> None:
 @pytest.mark.parametrize("drafter", [*DRAFTERS, "medusa", "eagle"])
 def test_speculation_gives_plain_decodings_tokens(plain: tuple[list[list[int]], list[list[int]]], drafter: str) -> None:
     prompts, expected = plain
-    got = _generate(drafter, prompts)
-    same = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a == b]
-    assert len(same) == len(prompts), f"{drafter}: prompts {sorted(set(range(len(prompts))) - set(same))} differ"
+    # Heads (an LM-head pass per tree depth) on every other prompt, chats and completions: 6 rows still batch,
+    # and a batch's rows are the tokens they would be in any other batch (the test below).
+    picked = list(range(0, len(prompts), 2)) if drafter in ("medusa", "eagle") else list(range(len(prompts)))
+    got = _generate(drafter, [prompts[i] for i in picked])
+    differ = [i for i, out in zip(picked, got, strict=True) if out != expected[i]]
+    assert not differ, f"{drafter}: prompts {differ} differ"
 
 
 def test_a_request_is_the_same_alone_as_beside_others(plain: tuple[list[list[int]], list[list[int]]]) -> None:

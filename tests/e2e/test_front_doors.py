@@ -134,6 +134,12 @@ def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
                 await pb_grpc.SpecServeStub(channel).Generate(bad_request, metadata=METADATA)
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "temperature" in (bad.value.details() or "")
+            # bytes that are not a request, through Serve's proxy: INVALID_ARGUMENT, not grpc's UNKNOWN
+            raw = channel.unary_unary("/specserve.v1.SpecServe/Generate", request_serializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as garbage:
+                await raw(b"\xff\xff\xff garbage", metadata=METADATA)
+            assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT, garbage.value.details()
+            assert "not a specserve.v1.GenerateRequest" in (garbage.value.details() or "")
 
     asyncio.run(bad_call())
 

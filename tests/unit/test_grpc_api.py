@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
+from deploy.front.grpc_decoding import add_servicer
 from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -47,7 +48,7 @@ def test_servicer_function_is_importable_for_serve() -> None:
     from ray.serve.config import gRPCOptions
 
     options = gRPCOptions(grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
-    assert options.grpc_servicer_func_callable == [pb_grpc.add_SpecServeServicer_to_server]
+    assert options.grpc_servicer_func_callable == [add_servicer]
 
 
 def test_unary_and_stream_give_the_targets_greedy_tokens(ingress: TinyIngress, models, tokenizer) -> None:
@@ -164,3 +165,24 @@ def test_missing_key_and_full_router(ingress: TinyIngress) -> None:
 
 async def _drain(call: Any) -> list[Any]:
     return [m async for m in call]
+
+
+def test_bytes_that_are_not_a_request_get_invalid_argument(ingress: TinyIngress) -> None:
+    """grpc's own decoding answers such bytes with UNKNOWN, a server fault to the client; `add_servicer`'s decoder
+    hands them on and the ingress names what it expected. The server serves on."""
+
+    async def scenario(channel: grpc.aio.Channel) -> tuple[list[grpc.aio.AioRpcError], Any]:
+        errors = []
+        for method, kind in (("Generate", channel.unary_unary), ("GenerateStream", channel.unary_stream)):
+            call = kind(f"/specserve.v1.SpecServe/{method}", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                reply = call(b"\xff\xff\xff garbage", metadata=AUTH)
+                await (reply if method == "Generate" else _drain(reply))
+            errors.append(e.value)
+        return errors, await pb_grpc.SpecServeStub(channel).Generate(greedy([5, 6, 7], 2), metadata=AUTH)
+
+    errors, after = run_grpc(ingress, scenario, raw=True)
+    for error in errors:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+        assert "not a specserve.v1.GenerateRequest" in (error.details() or "")
+    assert len(after.token_ids) == 2
