@@ -276,7 +276,15 @@ class Lane:
         return half
 
     def _settle(self, group: _Group, lives: list[Live], trees: list[TokenTree], verified: Verified) -> int:
-        """Commit the verdicts and stream them; the tokens committed."""
+        """Commit the verdicts and stream them; the tokens committed. A sequence whose row failed on its own at
+        the target (`Verdict.error`) ends with that error; the others settle as if it had not been there."""
+        verdicts = list(verified.verdicts)
+        for live, verdict in zip(lives, verified.verdicts, strict=True):
+            if verdict.error is not None:
+                self._fail_one(group, live, verdict.error)
+        ok = [i for i, v in enumerate(verdicts) if v.error is None]
+        lives, trees = [lives[i] for i in ok], [trees[i] for i in ok]
+        verified = replace(verified, verdicts=[verdicts[i] for i in ok])
         seqs = [x.seq for x in lives]
         news = self.speculation.settle(seqs, trees, verified.verdicts, verified.work.seconds, group.predicted)
         committed = 0
@@ -330,9 +338,12 @@ class Lane:
 
     def _fail(self, group: _Group, message: str) -> None:
         for live in list(group.lives.values()):
-            self.ctx.metrics.finished("error", 0.0, 0, 0.0)
-            live.chunks.put_nowait({"error": message})
-            self._leave(group, live)
+            self._fail_one(group, live, message)
+
+    def _fail_one(self, group: _Group, live: Live, message: str) -> None:
+        self.ctx.metrics.finished("error", 0.0, 0, 0.0)
+        live.chunks.put_nowait({"error": message})
+        self._leave(group, live)
 
     async def _flush_releases(self) -> None:
         """The lane is empty: tell the workers now instead of on a next call that will not come."""

@@ -49,6 +49,11 @@ class StreamTimeout(RuntimeError):
     """The request ran past `max_stream_s`: ended with this error (the bound on a router replica's drain)."""
 
 
+class GenerationFailed(RuntimeError):
+    """The request ended with an error, its words the cause: its own row failed at the target (its grammar, its
+    parameters) while its group-mates went on, or the target pool was lost for good (HTTP 500 saying so)."""
+
+
 async def collected(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
     """A `generate_stream`'s chunks as one result: token_ids, finish_reason, usage (and logprobs when asked)."""
     tokens: list[int] = []
@@ -115,7 +120,7 @@ class Router:
                 except TimeoutError:
                     raise StreamTimeout(f"the request ran past max_stream_s ({limit:g} s)") from None
                 if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
+                    raise GenerationFailed(chunk["error"])
                 yield chunk
                 if chunk["finish_reason"] is not None:
                     return

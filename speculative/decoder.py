@@ -119,6 +119,10 @@ class SpeculativeDecoder:
         pairs = zip(seqs, proposals, strict=True)
         items = [VerifyItem(s.seq_id, tuple(s.tokens), s.params, p, len(s.prompt)) for s, p in pairs]
         verdicts = self.target.verify(items)
+        if errors := [f"{s.seq_id}: {v.error}" for s, v in zip(seqs, verdicts, strict=True) if v.error is not None]:
+            raise ValueError(
+                "; ".join(errors)
+            )  # in process, a request's failure is the caller's (served: it alone ends)
         t2 = time.perf_counter()
         trees = [p.tree for p in proposals]
         news = self.speculation.settle(seqs, trees, verdicts, t2 - t1, drafting.plan.predicted)

@@ -16,6 +16,7 @@ verdict); next call: 0 + tree, 2 + tree, 2 (empty verdict); then 0 + tree, 0 + t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +34,8 @@ from speculative.rules.rng import KeyedDraws, Stream
 from speculative.rules.sampling import SamplingParams, probs_from_logits
 from speculative.rules.verify import argmax_decides, verify_tree
 from speculative.rules.walk import Rule, Trees, walk
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,13 +205,16 @@ class TargetVerifier:
         for k, (item, row, a) in enumerate(zip(items, rows, argmax_only, strict=True)):
             if row in forward.prefilling:
                 continue
-            if a:
-                verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
-            else:
-                seq = (item.seq_id, item.tokens, item.prompt_len)
-                context = node_context(*seq, item.params, self.eos_ids, self.grammars)
-                verdict = verify_tree(item.proposal, host[row], context, item.params)
-            found[k] = _with_logprobs(verdict, item, starts[row], logits)
+            try:
+                if a:
+                    verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
+                else:
+                    seq = (item.seq_id, item.tokens, item.prompt_len)
+                    context = node_context(*seq, item.params, self.eos_ids, self.grammars)
+                    verdict = verify_tree(item.proposal, host[row], context, item.params)
+                found[k] = _with_logprobs(verdict, item, starts[row], logits)
+            except Exception as e:  # this row's own failure: it alone ends, its forward's other rows go on
+                found[k] = failed(item, e)
         return self._kept(rows, forward, found)
 
     def _kept(
@@ -223,7 +229,8 @@ class TargetVerifier:
                 keep[row] = list(range(forward.prefilling[row]))
                 continue
             verdicts.append(found[k])
-            keep[row] = list(range(off)) + [off + node for node in found[k].path]
+            kept = [] if found[k].error is not None else [off + node for node in found[k].path]
+            keep[row] = list(range(off)) + kept  # a failed row keeps its catch-up, not its tree
         return verdicts, keep
 
     def _walked(self, items: list[VerifyItem], firsts: dict[int, int], logits: torch.Tensor) -> dict[int, Verdict]:
@@ -242,11 +249,13 @@ class TargetVerifier:
                 tree = item.proposal.tree
                 scores = logits[firsts[k] : firsts[k] + tree.size + 1]  # [n+1, V]
                 if processes(item.params):
-                    context = node_context(
-                        item.seq_id, item.tokens, item.prompt_len, item.params, self.eos_ids, self.grammars
-                    )
-                    paths = [tree.path_tokens(node) for node in range(tree.size + 1)]
-                    scores = processed(scores.float(), context, paths, item.params)
+                    try:
+                        seq = (item.seq_id, item.tokens, item.prompt_len)
+                        context = node_context(*seq, item.params, self.eos_ids, self.grammars)
+                        paths = [tree.path_tokens(node) for node in range(tree.size + 1)]
+                        scores = processed(scores.float(), context, paths, item.params)
+                    except Exception as e:  # this row's own failure: walked as it is, then replaced by the error
+                        found[k] = failed(item, e)
                 pad = (0, 0, 0, nodes - tree.size - 1)
                 best.append(F.pad(scores.argmax(-1), pad[2:]))
                 sampled = not item.params.greedy
@@ -256,15 +265,24 @@ class TargetVerifier:
                 rules.append(Rule.GREEDY if not sampled else Rule.SAMPLE if q is None else Rule.REJECT)
                 keyed, base = KeyedDraws(item.params.seed, Stream.TARGET), len(item.tokens)
                 draws.append([[keyed(base + d, j) for j in range(fan + 1)] for d in range(shape.depth + 1)])
+            p = _stacked(probs, nodes, logits)
             walked = walk(
                 shape,
                 torch.tensor(rules, dtype=torch.long, device=logits.device),
                 torch.stack(best),
-                _stacked(probs, nodes, logits),
+                p,
                 _stacked(draft, nodes, logits),
                 torch.tensor(draws, dtype=torch.float64, device=logits.device),
-            ).tolist()  # [R, D + 2]: the round's one read-back
-            for k, tree, ids in zip(walking, trees, walked, strict=True):
+            )
+            # a sampled row whose distributions have no mass (non-finite logits, every token filtered) fails alone:
+            # its flag rides on the same read-back
+            sane = torch.ones_like(walked[:, :1]) if p is None else _has_mass(p, shape.tokens)[:, None]
+            for k, tree, row in zip(walking, trees, torch.cat([walked, sane], 1).tolist(), strict=True):
+                ids = row[:-1]  # [D + 2]: accepted nodes, then the emitted token; the round's one read-back
+                if k not in found and not row[-1]:
+                    found[k] = failed(items[k], ValueError("cannot sample from a distribution with no mass"))
+                if k in found:  # failed above
+                    continue
                 accepted = tuple(n for n in ids[:-1] if n >= 0)
                 verdict = Verdict(accepted, (*[tree.token(n) for n in accepted], ids[-1]))
                 found[k] = _with_logprobs(verdict, items[k], firsts[k], logits)
@@ -292,6 +310,15 @@ def _subset(gather: list[list[int]], wanted: list[list[int]]) -> torch.Tensor:
     return torch.tensor([starts[row] + c for row, cols in enumerate(wanted) for c in cols], dtype=torch.long)
 
 
+def _has_mass(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [R, N, V], [R, N] -> [R] int64
+    """1 where every node of the row's tree (pads aside) has a distribution to sample from; rows of greedy
+    requests (all zeros: no distribution asked) count as sane."""
+    mass = probs.sum(-1)  # [R, N]
+    node_ok = torch.isfinite(mass) & (mass > 0.0) | (tokens < 0)  # [R, N]
+    greedy = (mass == 0.0).all(-1)  # [R]
+    return (node_ok.all(-1) | greedy).long()
+
+
 def _stacked(
     rows: list[torch.Tensor | None], nodes: int, like: torch.Tensor
 ) -> torch.Tensor | None:  # [R, N, V] float32, zeros where a row has none
@@ -307,3 +334,9 @@ def _with_logprobs(verdict: Verdict, item: VerifyItem, first: int, logits: torch
         return verdict
     emitting = torch.tensor([first + node for node in verdict.path], device=logits.device)
     return replace(verdict, logprobs=token_logprobs(logits[emitting], verdict.tokens, item.params.logprobs))
+
+
+def failed(item: VerifyItem, error: Exception) -> Verdict:
+    """The verdict of a row that failed on its own (its grammar, its parameters): no tokens, the cause in words."""
+    logger.warning("%s failed at the target: %r", item.seq_id, error)
+    return Verdict((), (), error=f"this request failed at the target: {type(error).__name__}: {error}")

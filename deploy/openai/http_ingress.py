@@ -55,7 +55,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.router import Overloaded
+from actors.router import GenerationFailed, Overloaded
 from deploy.front.frontdoor import Backend, FrontDoor, RequestError, param_path, too_large
 from deploy.openai.api import ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList
 from deploy.openai.serving import serve
@@ -224,6 +224,9 @@ def _install_error_handlers(app: FastAPI, front: FrontDoor) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return body(RequestError(str(e.detail), status=e.status_code, code=code), dict(e.headers or {}))
 
+    async def generation_failed(_: Request, e: Exception) -> Response:  # the cause is the request's own to know
+        return body(RequestError(f"generation failed: {e}", status=500, type="server_error", code="generation_failed"))
+
     async def internal(_: Request, e: Exception) -> Response:
         logger.exception("request failed")
         error = f"internal error ({type(e).__name__}); the server log has the details"
@@ -231,6 +234,7 @@ def _install_error_handlers(app: FastAPI, front: FrontDoor) -> None:
 
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(GenerationFailed, generation_failed)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal)

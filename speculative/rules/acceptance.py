@@ -40,6 +40,9 @@ class Verdict:
     # the next round's tree, rooted at the bonus, drafted by heads beside the target (drafters/heads.py;
     # None: no heads), riding back with the verdict
     drafted: TokenTree | None = None
+    # why this sequence alone failed at the target (its grammar, its parameters); it ends with this error,
+    # and the other sequences of its forward go on. None: a verdict
+    error: str | None = None
 
     @property
     def path(self) -> tuple[int, ...]:

@@ -11,12 +11,13 @@ from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetCo
 from actors.draft_worker import DraftWorker
 from actors.pools import LocalPool, ReplicaLost
 from actors.records import StepRecord
-from actors.router import Overloaded, Router, StreamTimeout
+from actors.router import GenerationFailed, Overloaded, Router, StreamTimeout
 from actors.target_replica import LocalShards, TargetReplica
 from actors.target_shard import TargetShard
 from actors.wire import WireProposal, WireVerifyItem, Work
 from speculative.drafters.config import DrafterConfig, drafter_config
 from speculative.planning.load_control import QUOTE_RUN
+from speculative.rules.acceptance import Verdict
 from speculative.rules.sampling import SamplingParams
 from speculative.rules.tree import TokenTree
 from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
@@ -215,24 +216,46 @@ def test_target_restart_mid_request_reprefills(tiny_pair: TinyPair) -> None:
     assert router._target.calls > 7  # type: ignore[attr-defined]
 
 
-def test_a_verify_that_fails_mid_forward_does_not_poison_the_group(tiny_pair: TinyPair) -> None:
-    """Sampling fails after the forward (no probability mass): the replica forgets the group's caches,
-    so the next call on that group re-prefills instead of failing on half-speculated state forever."""
+def test_a_row_that_fails_at_the_target_ends_alone(tiny_pair: TinyPair) -> None:
+    """Sampling one row fails after the forward (its distribution has no mass): that row's verdict carries the
+    error, the other row of the same call gets its verdict, and the group's cache serves the next call."""
     config = TargetConfig(model=fp32(tiny_pair.target))
     target = TargetReplica(config, shards=LocalShards([TargetShard(config, 0)]))
     prompt = (5, 6, 7, 8)
     bad = SamplingParams.model_construct(**(SamplingParams().model_dump() | {"repetition_penalty": 1e-300}))
+    good = SamplingParams(temperature=0.0)
     chain = WireProposal(TokenTree.chain(prompt[-1], [9, 10]), None)
 
-    async def scenario() -> list[int]:
-        with pytest.raises(ValueError, match="no mass"):
-            await target.verify("g", [WireVerifyItem("s1", prompt, bad, chain)], [])
-        good = SamplingParams(temperature=0.0)
-        verified = await target.verify("g", [WireVerifyItem("s2", prompt, good, chain)], [])
-        return list(verified.verdicts[0].tokens)
+    async def scenario() -> tuple[list[Verdict], list[int]]:
+        items = [WireVerifyItem("s1", prompt, bad, chain), WireVerifyItem("s2", prompt, good, chain)]
+        both = await target.verify("g", items, [])
+        again = await target.verify("g", [WireVerifyItem("s3", prompt, good, chain)], [])
+        return both.verdicts, list(again.verdicts[0].tokens)
 
-    tokens = asyncio.run(scenario())
+    (failed, verdict), tokens = asyncio.run(scenario())
+    assert failed.error is not None and "no mass" in failed.error and not failed.tokens
+    assert verdict.error is None and list(verdict.tokens) == tokens
     assert tokens[-1] == hf_greedy(tiny_pair.target, list(prompt) + tokens[:-1], 1)[0]
+
+
+def test_a_request_whose_row_fails_ends_with_the_cause_and_its_group_goes_on(tiny_pair: TinyPair) -> None:
+    """Eight requests in one group (no pipelining: one verify carries them all), one of them with a grammar the
+    shard cannot apply (the tiny target has no tokenizer for its grammar compiler): that request fails naming
+    the cause; the seven others finish with the tokens they give alone (before: the whole group ended with
+    "target pool unavailable")."""
+    router = make_router(tiny_pair, pipelining=False)
+    requests = prompts_and_lengths(7)
+    doomed = {"temperature": 0.0, "max_tokens": 8, "grammar": {"kind": "regex", "text": "[a-z]+"}}
+
+    async def scenario() -> list[object]:
+        calls = [router.generate(p, {"temperature": 0.0, "max_tokens": m}) for p, m in requests]
+        return list(await asyncio.gather(router.generate([5, 6, 7, 8], doomed), *calls, return_exceptions=True))
+
+    failed, *results = asyncio.run(scenario())
+    assert isinstance(failed, GenerationFailed) and "grammar" in str(failed), failed
+    for (prompt, max_new), result in zip(requests, results, strict=True):
+        assert isinstance(result, dict), result
+        assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
 
 
 class Slow:

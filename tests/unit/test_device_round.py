@@ -14,8 +14,10 @@ from speculative.drafters.config import drafter_config
 from speculative.engine.captured import Buckets, CapturedRunner
 from speculative.engine.syncs import SyncCounter
 from speculative.planning.depth import DepthConfig
+from speculative.rules.proposal import Proposal
 from speculative.rules.sampling import SamplingParams
-from speculative.target import TargetVerifier
+from speculative.rules.tree import TokenTree
+from speculative.target import TargetVerifier, VerifyItem
 from tests.tiny_models import VOCAB, noisy_copy, reference_greedy, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12], [20, 21, 22, 23, 20, 21, 22], [7]]
@@ -25,6 +27,7 @@ DRAFTERS = {
     "topk": drafter_config(kind="model", tree_width=3, tree_nodes=12, sampled=False),  # target-sample matching
     "lookup": drafter_config(kind="lookup"),
 }
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 MIXED = [
     SamplingParams(temperature=0.0, max_tokens=20),
     SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=3),
@@ -82,3 +85,31 @@ def test_rejection_rows_alone_give_the_host_walks_tokens(pair):
     device, syncs = decode(pair, "chain", params, device_round=True)
     assert device == decode(pair, "chain", params, device_round=False)[0]
     assert max(syncs) == 1
+
+
+def test_a_row_without_mass_fails_alone_on_the_same_read_back(pair):
+    """A sampled row whose distributions have no mass (a repetition penalty of 1e-300 makes its logits infinite):
+    its verdict carries the error, as on the host walk; the other rows' verdicts are the host walk's; still one
+    read-back."""
+    target, _ = pair
+    doomed = SamplingParams.model_construct(  # past the front door's bound (>= 0.01): what a shard may still meet
+        **(SamplingParams(temperature=1.0, seed=1, max_tokens=4).model_dump() | {"repetition_penalty": 1e-300})
+    )
+    fine = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=4)
+    tree = TokenTree(9, (10, 11, 12), (0, 0, 1))
+    items = [
+        VerifyItem("a", (5, 6, 7, 9), fine, Proposal(tree)),
+        VerifyItem("b", (5, 6, 7, 9), doomed, Proposal(tree)),
+        VerifyItem("c", (11, 12, 9), GREEDY, Proposal(tree)),
+    ]
+    verdicts = {}
+    for device_round in (True, False):
+        runner = CapturedRunner(target, 4, 128, Buckets((1, 2, 4), (1, 2, 4, 8)), compiler=lambda f: f)
+        verifier = TargetVerifier(runner, device_round=device_round)
+        with SyncCounter() as syncs:
+            verdicts[device_round] = verifier.verify(items)
+        assert not device_round or syncs.count == 1
+    for on_device, on_host in zip(verdicts[True], verdicts[False], strict=True):
+        assert (on_device.error is None) == (on_host.error is None)
+        assert on_device.tokens == on_host.tokens
+    assert "no mass" in (verdicts[True][1].error or "") and verdicts[True][0].tokens
