@@ -82,7 +82,7 @@ class Head:
 
     def stop(self) -> None:
         """SIGTERM to the whole process group (GCS, raylet, dashboard, workers), SIGKILL what remains."""
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
