@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -285,6 +286,10 @@ def deploy_local(
     return url
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def serve_demo(
     config_path: Path,
     prompt: str,
@@ -298,6 +303,10 @@ def serve_demo(
         if args.get(key) in REGISTRY:
             fetch(args[key])
     metrics = start_local_ray(args, metrics_port=metrics_port)
+    # SIGTERM (a service manager, `kill`) stops the run as Ctrl-C does: through the `finally` below, which shuts
+    # Ray down with every process it started. Set after Ray starts: Ray's own handler aborts the driver, and its
+    # dashboard and runtime-env agents outlived the run.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         url = deploy_local(args, port, grpc_options)
         model = args.get("front_door", {}).get("served_model_name", args["target_model"])
