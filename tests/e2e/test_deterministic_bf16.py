@@ -103,8 +103,9 @@ def _decoding(drafter: str | None, target: LoadedModel, draft: LoadedModel) -> t
         random = _heads(target.model)[drafter]
         if drafter == "medusa":
             heads = heads_factory(random, target.model)  # type: ignore[arg-type]
-        else:  # a small tree (2 wide, 2 deep): a random head's drafts rarely land; each depth costs an LM-head pass
-            small = drafter_config(kind="eagle", eagle_head="(in memory)", eagle_top_k=2, eagle_depth=2, eagle_nodes=4)
+        else:  # two candidates beside each other: a random head's drafts rarely land, and each depth costs an
+            # LM-head pass over 151k tokens per row (deeper EAGLE trees: tests/unit/test_eagle.py, in float32)
+            small = drafter_config(kind="eagle", eagle_head="(in memory)", eagle_top_k=2, eagle_depth=1, eagle_nodes=2)
             heads = small.trees(random, target.model)  # type: ignore[union-attr]
         verifier = TargetVerifier(runner := ModelRunner(target.model), heads=heads(runner))
         return verifier, TreeDrafter(verifier.drafted)
