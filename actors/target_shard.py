@@ -32,7 +32,7 @@ from speculative.drafters.heads import TreeHeads
 from speculative.engine.captured import TREE_ROOM, graphs_on, runner_for
 from speculative.engine.invariant import make_deterministic
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
-from speculative.engine.kv_cache import fixed, preallocated
+from speculative.engine.kv_cache import preallocated
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.rules.acceptance import Verdict
@@ -86,8 +86,9 @@ class TargetShard:
         window = max_model_len(config)
         reserve = preallocated(budget, window)
         graphs = self.config.model.graphs if world == 1 else "off"  # TP shards: DeepSpeed's forward, op by op
-        if graphs_on(graphs, model):  # a cache fixed at start: the window advertised is what it holds
-            reserve = fixed(budget, window)
+        if graphs_on(graphs, model):  # each group's cache is fixed at `reserve`: the window advertised is what it holds
+            # (the per-group share the growing caches start from, so that a shard's groups never outgrow its
+            # memory together; one pool per replica would let a sequence use the whole budget)
             window = min(window, reserve[1] - TREE_ROOM)
         grammars = load_grammars(self.config.model.path, self._resolve)  # shared by the groups: soft state by seq id
         heads = self._heads(model)

@@ -266,9 +266,10 @@ class TargetVerifier:
                 keyed, base = KeyedDraws(item.params.seed, Stream.TARGET), len(item.tokens)
                 draws.append([[keyed(base + d, j) for j in range(fan + 1)] for d in range(shape.depth + 1)])
             p = _stacked(probs, nodes, logits)
+            rule = torch.tensor(rules, dtype=torch.long, device=logits.device)
             walked = walk(
                 shape,
-                torch.tensor(rules, dtype=torch.long, device=logits.device),
+                rule,
                 torch.stack(best),
                 p,
                 _stacked(draft, nodes, logits),
@@ -276,7 +277,7 @@ class TargetVerifier:
             )
             # a sampled row whose distributions have no mass (non-finite logits, every token filtered) fails alone:
             # its flag rides on the same read-back
-            sane = torch.ones_like(walked[:, :1]) if p is None else _has_mass(p, shape.tokens)[:, None]
+            sane = torch.ones_like(walked[:, :1]) if p is None else _has_mass(p, shape.tokens, rule)[:, None]
             for k, tree, row in zip(walking, trees, torch.cat([walked, sane], 1).tolist(), strict=True):
                 ids = row[:-1]  # [D + 2]: accepted nodes, then the emitted token; the round's one read-back
                 if k not in found and not row[-1]:
@@ -310,13 +311,12 @@ def _subset(gather: list[list[int]], wanted: list[list[int]]) -> torch.Tensor:
     return torch.tensor([starts[row] + c for row, cols in enumerate(wanted) for c in cols], dtype=torch.long)
 
 
-def _has_mass(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [R, N, V], [R, N] -> [R] int64
-    """1 where every node of the row's tree (pads aside) has a distribution to sample from; rows of greedy
-    requests (all zeros: no distribution asked) count as sane."""
+def _has_mass(probs: torch.Tensor, tokens: torch.Tensor, rules: torch.Tensor) -> torch.Tensor:  # -> [R] int64
+    """1 where a sampled row's every node (pads aside) has a distribution to sample from, and on greedy rows.
+    probs [R, N, V]; tokens [R, N] (pads -1); rules [R] (`walk.Rule`)."""
     mass = probs.sum(-1)  # [R, N]
     node_ok = torch.isfinite(mass) & (mass > 0.0) | (tokens < 0)  # [R, N]
-    greedy = (mass == 0.0).all(-1)  # [R]
-    return (node_ok.all(-1) | greedy).long()
+    return (node_ok.all(-1) | (rules == Rule.GREEDY)).long()
 
 
 def _stacked(

@@ -24,10 +24,7 @@ class Undecodable:
     """Request bytes that are not the method's message; `error`: the decoder's words."""
 
     def __init__(self, error: str) -> None:
-        self.error = error
-
-    def __reduce__(self) -> tuple[Any, ...]:  # Serve sends requests from its proxy to the replica pickled
-        return (Undecodable, (self.error,))
+        self.error = error  # (pickled as it is: Serve sends requests from its proxy to the replica)
 
 
 def add_servicer(servicer: Any, server: Any) -> None:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from speculative.engine.kv_cache import PREALLOCATED_ROWS, PREALLOCATED_TOKENS, SlotCache, bucketed
-from speculative.engine.lean_stack import lean_stack, rms_norm, rotated
+from speculative.engine.lean_stack import lean_stack, run_layers
 from speculative.engine.runner import ModelRunner, Step
 
 logger = logging.getLogger(__name__)
@@ -256,33 +256,21 @@ def _step_function(base: Any, cache: FixedCache) -> Callable[..., torch.Tensor]:
     last hidden states [R * N, H]; keys and values written in place into `cache`'s buffers."""
     keys = [cache.keys[i] for i in range(len(base.layers))]
     values = [cache.values[i] for i in range(len(base.layers))]
+    scaling = [layer.self_attn.scaling for layer in base.layers]
 
     def step(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        rows, tokens_per_row = mask.shape[0], mask.shape[2]
-        t = tokens.shape[0]
+        rows, per_row = mask.shape[0], mask.shape[2]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # -> [T, heads * D]
+            for buf, new in ((keys[i], k), (values[i], v)):  # [1, kv, T, D] -> the cache's [slots * C, kv, D]
+                buf.view(-1, *buf.shape[2:]).index_copy_(0, index, new[0].transpose(0, 1))
+            queries = q[0].view(q.shape[1], rows, per_row, -1).transpose(0, 1)  # [R, heads, N, D]
+            seen = (keys[i][:rows].transpose(1, 2), values[i][:rows].transpose(1, 2))  # [R, kv, C, D] each
+            o = F.scaled_dot_product_attention(queries, *seen, attn_mask=mask, scale=scaling[i], enable_gqa=True)
+            return o.transpose(1, 2).reshape(rows * per_row, -1)  # [R, heads, N, D] -> [T, heads * D]
+
         with torch.no_grad():
-            x = base.embed_tokens(tokens)  # [T, H]
-            cos, sin = base.rotary_emb(x[None], positions[None])  # [1, T, D] each
-            cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]
-            for i, layer in enumerate(base.layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                d = attn.head_dim
-                h = rms_norm(x, layer.input_layernorm)
-                q = rotated(attn.q_proj(h).view(1, t, -1, d).transpose(1, 2), cos, sin)  # [1, heads, T, D]
-                k = rotated(attn.k_proj(h).view(1, t, -1, d).transpose(1, 2), cos, sin)  # [1, kv, T, D]
-                v = attn.v_proj(h).view(t, -1, d)  # [T, kv, D]
-                for buf, new in ((keys[i], k[0].transpose(0, 1)), (values[i], v)):
-                    buf.view(-1, *buf.shape[2:]).index_copy_(0, index, new)
-                seen_k = keys[i][:rows].transpose(1, 2)  # [R, kv, C, D]
-                seen_v = values[i][:rows].transpose(1, 2)
-                queries = q[0].view(-1, rows, tokens_per_row, d).transpose(0, 1)  # [R, heads, N, D]
-                o = F.scaled_dot_product_attention(
-                    queries, seen_k, seen_v, attn_mask=mask, scale=attn.scaling, enable_gqa=True
-                )  # [R, heads, N, D]
-                x = x + attn.o_proj(o.transpose(1, 2).reshape(t, -1))
-                h = rms_norm(x, layer.post_attention_layernorm)
-                x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-            return rms_norm(x, base.norm)
+            return run_layers(base, tokens, positions, attend)
 
     return step
 

@@ -128,12 +128,6 @@ def preallocated(budget_tokens: int, window: int) -> tuple[int, int]:
     return PREALLOCATED_ROWS, bucketed(max(cols, 1))
 
 
-def fixed(budget_tokens: int, window: int) -> tuple[int, int]:
-    """(rows, columns) of a KV cache made once and never grown (`captured.FixedCache`): PREALLOCATED_ROWS rows,
-    each as long as the window or its share of the budget, whichever is less."""
-    return PREALLOCATED_ROWS, bucketed(max(min(window, budget_tokens // PREALLOCATED_ROWS), BUCKET))
-
-
 def bucketed(cols: int) -> int:
     """`cols` rounded up to a multiple of BUCKET."""
     return -(-cols // BUCKET) * BUCKET

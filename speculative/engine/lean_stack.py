@@ -16,6 +16,7 @@ Per layer, for T packed tokens of hidden size H:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +29,39 @@ from speculative.engine.packing import packed_attention
 KNOWN = ("LlamaModel", "Qwen2Model")  # base models whose decoder layers are the loop below
 
 
-def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:  # [T, H] -> [T, H]
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:  # [T, H] -> [T, H]
     """`LlamaRMSNorm` / `Qwen2RMSNorm`: normalized in float32, back to x's dtype, then scaled."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype) * norm.weight
 
 
-def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D]
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D]
     """Rotary embedding as `apply_rotary_pos_emb` computes it (halves rotated, not interleaved pairs)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+# layer i's attention: rotated queries [1, heads, T, D], rotated keys and values [1, kv_heads, T, D] -> [T, heads * D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_layers(base: Any, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The stack over packed tokens [T] at position ids [T] -> last hidden states [T, H], after the final norm;
+    `attend` stores each layer's keys and values and attends (the runner's packed cache, or a fixed one)."""
+    x = base.embed_tokens(tokens)  # [T, H]
+    t = x.shape[0]
+    cos, sin = base.rotary_emb(x[None], positions[None])  # [1, T, D] each
+    cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: broadcast over heads
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        d = attn.head_dim
+        h = _rms_norm(x, layer.input_layernorm)
+        q = attn.q_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, heads, T, D]
+        k = attn.k_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, kv_heads, T, D]
+        v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
+        x = x + attn.o_proj(attend(i, _rotated(q, cos, sin), _rotated(k, cos, sin), v))
+        h = _rms_norm(x, layer.post_attention_layernorm)
+        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+    return _rms_norm(x, base.norm)
 
 
 @dataclass(frozen=True)
@@ -52,24 +77,15 @@ class LeanStack:
         mask: torch.Tensor,  # the runner's packed mask (`Packing.mask`)
         cache: SlotCache,
     ) -> torch.Tensor:  # [T, H] the last hidden states, after the final norm
-        base = self.base
-        x = base.embed_tokens(tokens)  # [T, H]
-        t = x.shape[0]
-        cos, sin = base.rotary_emb(x[None], positions[None])  # [1, T, D] each
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: broadcast over heads
-        for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            d = attn.head_dim
-            h = rms_norm(x, layer.input_layernorm)
-            q = attn.q_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, heads, T, D]
-            k = attn.k_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, kv_heads, T, D]
-            v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
-            keys, values = cache.update(rotated(k, cos, sin), v, i)  # [B, kv_heads, width, D] each
-            o, _ = packed_attention(attn, rotated(q, cos, sin), keys, values, mask, dropout=0.0, scaling=attn.scaling)
-            x = x + attn.o_proj(o.reshape(t, -1))
-            h = rms_norm(x, layer.post_attention_layernorm)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return rms_norm(x, base.norm)
+        layers = self.base.layers
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            attn = layers[i].self_attn
+            keys, values = cache.update(k, v, i)  # [B, kv_heads, width, D] each
+            o, _ = packed_attention(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling)
+            return o.reshape(q.shape[2], -1)
+
+        return run_layers(self.base, tokens, positions, attend)
 
 
 def lean_stack(base: torch.nn.Module) -> LeanStack | None:

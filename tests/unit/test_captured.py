@@ -134,18 +134,22 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(captured):
 
 
 def test_sampled_speculation_on_captured_forwards_draws_plain_samplings_distribution(captured):
-    """Chain drafts sampled from the draft's q, accepted by rejection on captured forwards: the first and
-    second tokens' distributions over 240 seeds equal plain sampling's (chi-square, two samples)."""
+    """Chain drafts sampled from the draft's q, accepted by rejection on captured forwards: each seed's tokens are
+    the op-by-op runner's (the rules and their keyed uniforms are one; the logits agree), so the rules'
+    distribution suite (tests/unit/test_acceptance_distribution.py, 10^5+ samples per setting) holds here; and,
+    as a check of its own, the first and second tokens' distributions over 240 seeds equal plain sampling's
+    (chi-square, two samples: a gross break only)."""
     target, draft, _, runner = captured
     params = [SamplingParams(temperature=0.8, top_k=6, max_tokens=3, seed=s) for s in range(240)]
     prompt = PROMPTS[0]
-    spec, plain = [], []
-    for start in range(0, len(params), 4):  # the runner's 4 rows at a time
+    spec, op_by_op = [], []
+    for start in range(0, len(params), 4):  # the runner's 4 rows at a time (batches alike: depths follow load)
         batch = params[start : start + 4]
-        dec = SpeculativeDecoder(
-            TargetVerifier(fresh(runner)), drafter_config(kind="model").build(draft, VOCAB), DepthConfig(max_depth=3)
-        )
-        spec += [s.output for s in dec.generate([prompt] * len(batch), batch)]
+        for runner_, out in ((fresh(runner), spec), (ModelRunner(target), op_by_op)):
+            chains = drafter_config(kind="model").build(draft, VOCAB)
+            dec = SpeculativeDecoder(TargetVerifier(runner_), chains, DepthConfig(max_depth=3))
+            out += [s.output for s in dec.generate([prompt] * len(batch), batch)]
+    assert spec == op_by_op
     none = SpeculativeDecoder(TargetVerifier(ModelRunner(target)), None, DepthConfig(max_depth=0))
     plain = [s.output for s in none.generate([prompt] * len(params), params)]
     assert spec != plain, "rejection decides by other uniforms than plain sampling's: other draws, same law"
