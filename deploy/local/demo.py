@@ -318,8 +318,9 @@ def serve_demo(
         print("\n" + _report(spec, plain), file=sys.stderr)
         if keep_running:
             print(
-                f"\nserving {model}: {url}/v1 (OpenAI), gRPC on :{grpc_options.get('port', 9000)}, "
-                f"metrics on {metrics}; Ctrl-C stops",
+                f"\nserving {model}: {url}/v1 (OpenAI), "
+                + (f"gRPC on :{grpc_options.get('port', 9000)}, " if grpc_options else "")
+                + f"metrics on {metrics}; Ctrl-C stops",
                 file=sys.stderr,
             )
             while True:

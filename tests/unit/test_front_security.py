@@ -149,8 +149,11 @@ def test_the_proxys_hint_headers_are_not_taken_from_clients() -> None:
     assert b"x-request-disconnect-disabled" not in seen and b"x-request-timeout-seconds" not in seen
 
 
-def test_local_yaml_serves_http_on_loopback() -> None:
+def test_local_yaml_serves_http_on_loopback_and_no_open_grpc() -> None:
     import yaml
 
     shipped = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
     assert shipped["http_options"]["host"] == "127.0.0.1"
+    # Serve's gRPC proxy binds every interface: off unless a key is set
+    front = shipped["applications"][0]["args"]["front_door"]
+    assert "grpc_options" not in shipped or front.get("api_key_env") or front.get("api_key")
