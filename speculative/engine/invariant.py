@@ -171,9 +171,10 @@ def make_deterministic(model: torch.nn.Module) -> str | None:
         if isinstance(module, LINEARS):
             dtype, _ = _placement(module)
             layers.setdefault((module.in_features, module.out_features, dtype), module)  # type: ignore[arg-type]
-    if not layers:
+    invariant_by_construction = any(getattr(m, "batch_invariant", False) for m in model.modules())
+    if not layers and not invariant_by_construction:
         return "no Linear layers to make invariant (a tensor-parallel shard's layers are DeepSpeed's)"
-    rows = linear_rows(list(layers.values()))
+    rows = linear_rows(list(layers.values())) if layers else 1
     if rows is None:
         return f"this machine's Linear kernels sum a row differently at every row count up to {LINEAR_ROWS[-1]}"
     config = getattr(model, "config", None)

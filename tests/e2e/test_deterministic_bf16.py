@@ -10,7 +10,7 @@ where the CPU computes bfloat16 natively (where `dtype: auto` picks it); elsewhe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 
 import pytest
@@ -139,25 +139,29 @@ def plain() -> tuple[list[list[int]], list[list[int]]]:
     return plain_outputs()
 
 
-def test_a_verify_row_is_the_one_token_steps_bits() -> None:
-    target = _pair()[0].model
-    prompt = chat_ids(_pair()[0].tokenizer, CHATS[1])
-    steps = ModelRunner(target)
+def verify_rows_and_steps(make_runner: Callable[[], ModelRunner], prompt: list[int], n: int = 6) -> None:
+    """Asserts a verify of `n` chained tokens after `prompt` gives, row by row, the bits of `n` one-token steps."""
+    steps = make_runner()
     steps.add_rows(["a"])
     steps.extend([prompt[:-1]])
     tokens, logits = [prompt[-1]], []
-    for _ in range(6):
+    for _ in range(n):
         out = steps.forward([[tokens[-1]]], [[-1]], [[0]])
         assert out is not None
         steps.commit([[0]])
         logits.append(out[0])
         tokens.append(int(out[0].argmax()))
-    verify = ModelRunner(target)
+    verify = make_runner()
     verify.add_rows(["a"])
     verify.extend([prompt[:-1]])
-    rows = verify.forward([tokens[:6]], [chain_parents(6)], [list(range(6))])
+    rows = verify.forward([tokens[:n]], [chain_parents(n)], [list(range(n))])
     assert rows is not None
-    assert all(torch.equal(rows[i], logits[i]) for i in range(6))
+    assert all(torch.equal(rows[i], logits[i]) for i in range(n))
+
+
+def test_a_verify_row_is_the_one_token_steps_bits() -> None:
+    target = _pair()[0].model
+    verify_rows_and_steps(lambda: ModelRunner(target), chat_ids(_pair()[0].tokenizer, CHATS[1]))
 
 
 @pytest.mark.parametrize("drafter", [*DRAFTERS, "medusa", "eagle"])

@@ -1,8 +1,10 @@
 """The same tokens in bfloat16, served: `deploy/local.yaml` as shipped (bfloat16 where the CPU computes it
-natively, `target_pool.deterministic: auto`, drafting round ahead with two alternatives per pre-draft, the
-int4 draft, 64-token prefill chunks) gives, request by request through the `openai` client, plain decoding's
-tokens: those of the in-process decoder without drafts on the 12 prompts x 128 tokens of
-`test_deterministic_bf16`, and those of the same server with `max_draft_tokens: 0`.
+natively, the target on its GGUF tensors where the CPU runs their kernel (`target_weights: auto`),
+`target_pool.deterministic: auto`, drafting round ahead with two alternatives per pre-draft, the int4 draft,
+64-token prefill chunks) gives, request by request through the `openai` client, plain decoding's tokens:
+those of the in-process decoder without drafts on the 12 prompts of `test_deterministic_bf16` on the same
+weights (`test_stored_weights`'s 64 tokens where they are stored, else the bfloat16 test's 128), and those
+of the same server with `max_draft_tokens: 0`.
 
 Without batch-invariant target forwards a verify rounds unlike a one-token step, and such outputs part.
 """
@@ -15,9 +17,10 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
+from speculative.engine.cpu import kquant
 from speculative.engine.loading import resolve_dtype
 from tests.actors.serve_helpers import deploy_yaml, free_port, local_ray, run_app
-from tests.e2e.test_deterministic_bf16 import NEW_TOKENS, plain_outputs, release_models
+from tests.e2e import test_deterministic_bf16, test_stored_weights
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,10 +29,13 @@ pytestmark = [
 
 
 def test_local_yaml_in_bfloat16_drafting_round_ahead_gives_plain_decodings_tokens() -> None:
-    prompts, expected = plain_outputs()
-    release_models()  # the replicas below load their own copies
     (application,) = deploy_yaml("local.yaml", {})["applications"]
     config = AppConfig.model_validate(application["args"])
+    stored = config.target_weights == "auto" and kquant.library() is not None
+    reference = test_stored_weights if stored else test_deterministic_bf16
+    prompts, expected = reference.plain_outputs()
+    new_tokens = reference.NEW_TOKENS
+    reference.release_models()  # the replicas below load their own copies
     assert config.router().round_ahead and config.router().ahead_alternatives, "round ahead with alternatives"
     port = free_port()
     with local_ray(num_cpus=4):
@@ -41,7 +47,7 @@ def test_local_yaml_in_bfloat16_drafting_round_ahead_gives_plain_decodings_token
         def served(prompt: list[int], speculate: bool) -> list[int]:
             extra = {"return_token_ids": True} | ({} if speculate else {"max_draft_tokens": 0})
             done = client.completions.create(
-                model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0, extra_body=extra
+                model=name, prompt=prompt, max_tokens=new_tokens, temperature=0.0, extra_body=extra
             )
             return list(done.choices[0].model_extra["token_ids"])
 

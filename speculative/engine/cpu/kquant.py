@@ -1,0 +1,198 @@
+"""GGUF-quantized Linear weights at their stored precision (Q4_K, Q6_K, Q8_0) and their kernel, `kquant_vnni.c`.
+
+A GGUF tensor's blocks are decoded once at load into codes and scales (`decode`), laid out for the kernel
+(`pack`), and multiplied by `matmul`: activations quantized to int8 per 32 inputs, weights read as stored.
+`dequantize` gives the weights the same codes and scales stand for, in float32 (the reference the kernel is
+held to: int8 activations put its outputs within about 1 % of the row's scale of the float32 product).
+
+Each row is reduced alone in a fixed order, so a row's outputs are the same bits at 1 row or 64, on any
+number of threads: a target on these weights is batch invariant by construction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculative.engine.cpu import compiled
+
+SOURCE = compiled.KERNELS / "kquant_vnni.c"
+FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *compiled.AVX512_FLAGS]
+TILE = 16  # outputs per tile, as in the C source
+Q4_K, Q6_K, Q8_0 = 12, 14, 8  # GGML's type ids
+NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q8_0: "Q8_0"}
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210, Q8_0: 34}  # a GGUF block's bytes
+BLOCK_INPUTS = {Q4_K: 256, Q6_K: 256, Q8_0: 32}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
+    pointer, count = ctypes.c_void_p, ctypes.c_int
+    mm = ([count, pointer, count, count, pointer, count, pointer, count, count], ctypes.c_int)
+    tile_bytes = ([count, count], ctypes.c_long)
+    return compiled.library(SOURCE, FLAGS, "GGUF target weights", {"kquant_mm": mm, "kquant_tile_bytes": tile_bytes})
+
+
+def build(folder: Path, compiler: str | None) -> Path | None:
+    return compiled.build(SOURCE, FLAGS, folder, compiler, "GGUF target weights")
+
+
+def takes(kind: int, inputs: int) -> bool:
+    """Whether the kernel takes weights of GGML type `kind` with `inputs` inputs per output."""
+    return kind in BLOCK_INPUTS and inputs % BLOCK_INPUTS[kind] == 0
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A tensor's GGUF blocks decoded: its unsigned codes and the scales that make them weights."""
+
+    kind: int  # GGML type id
+    codes: torch.Tensor  # [out, in] uint8: Q4_K 0..15, Q6_K 0..63, Q8_0 q + 128
+    d: torch.Tensor  # [out, in / 256] (Q8_0: [out, in / 32]) float16
+    dmin: torch.Tensor | None  # Q4_K: [out, in / 256] float16
+    scales: torch.Tensor | None  # Q4_K: [out, in / 32] uint8; Q6_K: [out, in / 16] int8
+    mins: torch.Tensor | None  # Q4_K: [out, in / 32] uint8
+
+
+def decode(kind: int, raw: np.ndarray, inputs: int) -> Codes:
+    """A GGUF tensor's bytes ([out, blocks * block bytes] uint8, as gguf's reader gives them) -> its Codes."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"GGUF type {kind} has no kernel here (Q4_K, Q6_K and Q8_0 have)")
+    out = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, copy=True)).reshape(out, inputs // BLOCK_INPUTS[kind], BLOCK_BYTES[kind])
+
+    def half(at: int) -> torch.Tensor:  # [out, blocks] float16 at byte `at` of each block
+        return blocks[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1)
+
+    if kind == Q8_0:
+        q = blocks[..., 2:34].contiguous().view(torch.int8).to(torch.int16) + 128  # [out, blocks, 32]
+        return Codes(kind, q.to(torch.uint8).reshape(out, inputs), half(0), None, None, None)
+    if kind == Q4_K:
+        packed = blocks[..., 4:16].to(torch.int32)  # [out, blocks, 12]: 8 six-bit scales and 8 six-bit mins
+        low4, high4 = packed[..., 0:4], packed[..., 4:8]
+        scales = torch.cat([low4 & 63, (packed[..., 8:12] & 15) | ((low4 >> 6) << 4)], dim=-1)  # [out, blocks, 8]
+        mins = torch.cat([high4 & 63, (packed[..., 8:12] >> 4) | ((high4 >> 6) << 4)], dim=-1)
+        qs = blocks[..., 16:144].reshape(out, -1, 4, 32)  # [out, blocks, 64-value chunk, 32]
+        codes = torch.stack([qs & 15, qs >> 4], dim=3)  # [out, blocks, chunk, low/high: +0/+32, 32]
+        return Codes(
+            kind,
+            codes.reshape(out, inputs),
+            half(0),
+            half(2),
+            scales.to(torch.uint8).reshape(out, -1),
+            mins.to(torch.uint8).reshape(out, -1),
+        )
+    ql = blocks[..., 0:128].reshape(out, -1, 2, 2, 32)  # [out, blocks, half, l / l + 32, 32]
+    qh = blocks[..., 128:192].reshape(out, -1, 2, 1, 32)  # [out, blocks, half, 1, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)  # the 2 bits of l, l+32, l+64, l+96
+    low = torch.cat([ql & 15, ql >> 4], dim=3)  # [out, blocks, half, 4, 32]: values l, l+32, l+64, l+96
+    codes = low | (((qh >> shifts) & 3) << 4)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8)  # [out, blocks, 16]
+    return Codes(kind, codes.reshape(out, inputs), half(208), None, scales.reshape(out, -1), None)
+
+
+def dequantize(c: Codes) -> torch.Tensor:
+    """The float32 weights [out, in] that `c` stands for, computed as GGUF's reference does."""
+    out, inputs = c.codes.shape
+    u = c.codes.to(torch.float32)
+    if c.kind == Q8_0:
+        return (c.d.float().repeat_interleave(32, dim=1) * (u - 128)).reshape(out, inputs)
+    if c.kind == Q4_K:
+        assert c.dmin is not None and c.scales is not None and c.mins is not None
+        scale = (c.d.float().repeat_interleave(8, dim=1) * c.scales.float()).repeat_interleave(32, dim=1)
+        low = (c.dmin.float().repeat_interleave(8, dim=1) * c.mins.float()).repeat_interleave(32, dim=1)
+        return scale * u - low
+    assert c.scales is not None
+    scale = (c.d.float().repeat_interleave(16, dim=1) * c.scales.float()).repeat_interleave(16, dim=1)
+    return scale * (u - 32)
+
+
+def pack(c: Codes) -> torch.Tensor:
+    """The kernel's layout of `c` (the C source's header says it): [tiles, tile bytes] uint8, outputs padded to
+    whole tiles of 16 with zero scales."""
+    out, inputs = c.codes.shape
+    tiles = -(-out // TILE)
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [out, n] -> [tiles, n, 16 lanes] (per tile, a value per output)
+        t = torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE - out))
+        return t.reshape(tiles, TILE, -1).transpose(1, 2)
+
+    def as_bytes(t: torch.Tensor, per: int) -> torch.Tensor:  # [tiles, n, 16] -> [tiles, n / per, per * bytes]
+        return lanes_bytes(t.contiguous()).reshape(tiles, t.shape[1] // per, -1)
+
+    def lanes_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8).reshape(tiles, t.shape[1], -1)
+
+    codes = torch.nn.functional.pad(c.codes, (0, 0, 0, tiles * TILE - out)).reshape(tiles, TILE, inputs)
+    if c.kind == Q8_0:
+        blocks = codes.reshape(tiles, TILE, -1, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, -1, 512)  # [T, G, 512]
+        return torch.cat([as_bytes(lanes(c.d), 1), blocks], dim=-1).reshape(tiles, -1).contiguous()
+    low = codes & 15
+    split = low.reshape(tiles, TILE, -1, 8, 4, 2, 4)  # [tile, lane, 256s, group, chunk, low/high nibble, byte]
+    nibbles = (split[..., 0, :] | (split[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5)  # [T, S, group, chunk, lane, b]
+    nibbles = nibbles.reshape(tiles, -1, 8, 256)  # [T, S, group, 256]
+    d = as_bytes(lanes(c.d), 1)  # [T, S, 32]
+    assert c.scales is not None
+    if c.kind == Q4_K:
+        assert c.dmin is not None and c.mins is not None
+        header = [d, as_bytes(lanes(c.dmin), 1), as_bytes(lanes(c.scales), 8), as_bytes(lanes(c.mins), 8)]
+        return torch.cat([*header, nibbles.reshape(tiles, -1, 2048)], dim=-1).reshape(tiles, -1).contiguous()
+    high = (codes >> 4).reshape(tiles, TILE, -1, 8, 2, 4, 4)  # [tile, lane, 256s, group, half, quarter, byte]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+    bits = (high << shifts).sum(dim=5, dtype=torch.uint8).permute(0, 2, 3, 4, 1, 5)  # [T, S, group, half, lane, b]
+    groups = torch.cat([nibbles, bits.reshape(tiles, -1, 8, 128)], dim=-1).reshape(tiles, -1, 8 * 384)
+    return torch.cat([d, as_bytes(lanes(c.scales), 16), groups], dim=-1).reshape(tiles, -1).contiguous()
+
+
+def matmul(kind: int, packed: torch.Tensor, out: int, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """rows [M, in] float32 or bfloat16 -> [M, out] in their dtype, through weights `pack` laid out."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the GGUF weights' kernel cannot run on this machine (AVX-512 VNNI and a C compiler)")
+    if rows.dtype not in (torch.float32, torch.bfloat16) or rows.device.type != "cpu":
+        raise ValueError(
+            f"the GGUF kernel takes float32 or bfloat16 rows on the CPU, not {rows.dtype} on {rows.device}"
+        )
+    rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], out, dtype=rows.dtype)  # [M, out]
+    if not rows.shape[0]:  # a forward whose rows all prefill asks the LM head for none
+        return y
+    bf16 = int(rows.dtype == torch.bfloat16)
+    if lib.kquant_mm(
+        kind, packed.data_ptr(), out, rows.shape[1], rows.data_ptr(), rows.shape[0], y.data_ptr(), bf16, threads
+    ):
+        raise RuntimeError(f"the GGUF kernel refused {rows.shape[0]} rows of {rows.shape[1]} inputs ({NAMES[kind]})")
+    return y
+
+
+class KQuantLinear(torch.nn.Module):
+    """y = x W^T + b with W a GGUF tensor at its stored precision (x: [..., in], float32 or bfloat16), on
+    torch's thread count at the call."""
+
+    batch_invariant = True  # a row's outputs never depend on the call's other rows (`invariant.make_deterministic`)
+    packed: torch.Tensor  # [tiles, tile bytes] uint8: `pack`'s layout
+
+    def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.kind = codes.kind
+        self.out_features, self.in_features = codes.codes.shape
+        self.register_buffer("packed", pack(codes), persistent=False)
+        self.bias = bias  # [out] or None
+        # the shape and the activations' dtype alone (a plain attribute: `Module.to` has no data to move)
+        self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features)  # [M, in]
+        y = matmul(self.kind, self.packed, self.out_features, rows, torch.get_num_threads())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{NAMES[self.kind]}, in_features={self.in_features}, out_features={self.out_features}"

@@ -1,0 +1,126 @@
+"""A loaded model's Linear layers on its GGUF file's quantized tensors, at their stored precision (CPU).
+
+The model folders of the registry (`modelstore`) keep the GGUF file the weights were converted from. Where a
+Linear layer's tensor there has a kernel (`cpu.kquant`: Q4_K, Q6_K, Q8_0), the layer becomes a `KQuantLinear`
+reading those bytes, and its dense weight is dropped; other layers (other formats, the embeddings) stay dense.
+The model is then "the quantized model as specserve computes it": speculation keeps its output exactly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from speculative.engine.cpu import kquant
+
+# GGUF tensor name (blk.{i}. prefix for a layer's) -> the Hugging Face module it holds the weight of
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ARCHITECTURES = {"qwen2", "llama"}  # whose GGUF tensors map onto Hugging Face's modules as above
+CHECKED_ROWS = 8  # rows of each tensor compared with the model's dense weight at load
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """What `use_stored` did: the layers it moved, by GGUF type, and the layers left dense, by reason."""
+
+    moved: Counter[str]
+    dense: Counter[str]
+
+    def describe(self) -> str:
+        moved = ", ".join(f"{n} {kind}" for kind, n in sorted(self.moved.items())) or "none"
+        dense = ", ".join(f"{n} {why}" for why, n in sorted(self.dense.items()))
+        return f"Linear layers at stored precision: {moved}" + (f"; dense: {dense}" if dense else "")
+
+
+def gguf_file(folder: str | Path) -> Path | None:
+    """The one GGUF file in a model folder, or None."""
+    found = sorted(Path(folder).glob("*.gguf")) if Path(folder).is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def unavailable(folder: str | Path, model: PreTrainedModel) -> str | None:
+    """Why `model` (loaded from `folder`) cannot have stored-precision weights here, or None where it can."""
+    if kquant.library() is None:
+        return "the GGUF kernel needs an x86 CPU with AVX-512 VNNI and BF16 and a C compiler"
+    if next(model.parameters()).device.type != "cpu":
+        return "stored-precision weights run on the CPU"
+    if next(model.parameters()).dtype not in (torch.float32, torch.bfloat16):
+        return "stored-precision weights take float32 or bfloat16 activations"
+    if gguf_file(folder) is None:
+        return f"{folder} holds no single GGUF file"
+    if getattr(model.config, "model_type", None) not in ARCHITECTURES:
+        return f"no GGUF tensor map for architecture {getattr(model.config, 'model_type', None)!r}"
+    return None
+
+
+def _rows(out: int, name: str, config: object) -> torch.Tensor | None:
+    """The order of a GGUF tensor's `out` rows as Hugging Face holds them: llama's GGUF stores q and k rows
+    permuted for its rotary layout (transformers un-permutes them on load); None where rows map as they are."""
+    if getattr(config, "model_type", None) != "llama" or name not in ("attn_q", "attn_k"):
+        return None
+    heads = int(getattr(config, "num_attention_heads" if name == "attn_q" else "num_key_value_heads"))
+    return torch.arange(out).reshape(heads, out // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _permuted(c: kquant.Codes, order: torch.Tensor | None) -> kquant.Codes:
+    if order is None:
+        return c
+    pick = lambda t: None if t is None else t[order]  # noqa: E731
+    return kquant.Codes(c.kind, c.codes[order], c.d[order], pick(c.dmin), pick(c.scales), pick(c.mins))
+
+
+def use_stored(model: PreTrainedModel, path: Path) -> StoredWeights:
+    """Moves `model`'s Linear layers onto the quantized tensors of GGUF file `path` (in place), each checked
+    against the model's dense weight (its first rows) so a mismatched file fails loudly."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    modules = dict(model.named_modules())
+    moved: Counter[str] = Counter()
+    dense: Counter[str] = Counter()
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if tensor.name == "output.weight":
+            target, short = "lm_head", "output"
+        elif parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight" and parts[2] in LAYER_TENSORS:
+            target, short = f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}", parts[2]
+        else:
+            continue
+        layer = modules.get(target)
+        if not isinstance(layer, torch.nn.Linear):
+            dense[f"{short} (no Linear {target})"] += 1
+            continue
+        kind, inputs = int(tensor.tensor_type), int(tensor.shape[0])
+        if not kquant.takes(kind, inputs):
+            dense[f"{tensor.tensor_type.name} (no kernel)"] += 1
+            continue
+        codes = _permuted(kquant.decode(kind, tensor.data, inputs), _rows(tensor.data.shape[0], short, model.config))
+        if codes.codes.shape != layer.weight.shape:
+            raise ValueError(
+                f"{path.name}: {tensor.name} is {tuple(codes.codes.shape)}, {target} {tuple(layer.weight.shape)}"
+            )
+        _check(codes, layer.weight, f"{path.name}: {tensor.name}")
+        bias = None if layer.bias is None else layer.bias.detach()
+        parent, _, child = target.rpartition(".")
+        setattr(modules[parent] if parent else model, child, kquant.KQuantLinear(codes, bias, layer.weight.dtype))
+        moved[tensor.tensor_type.name] += 1
+    return StoredWeights(moved, dense)
+
+
+def _check(codes: kquant.Codes, weight: torch.Tensor, what: str) -> None:
+    """The first rows of `codes` stand for the model's dense weight (converted from this file), to its dtype."""
+    expected = kquant.dequantize(_permuted(codes, torch.arange(min(CHECKED_ROWS, weight.shape[0]))))
+    if not torch.equal(expected.to(weight.dtype), weight.detach()[:CHECKED_ROWS]):
+        raise ValueError(f"{what} does not hold the model's weight (another file, or rows in another order)")
