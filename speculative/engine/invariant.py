@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from speculative.engine.cpu import attention as cpu_attention
 from speculative.engine.cpu.onednn_linear import PackedLinear
 
 MIN_ROWS = 16  # query rows every attention matmul sees (a multiple of the widest vector: no scalar tails)
@@ -82,8 +83,12 @@ def invariant_attention(
 ) -> torch.Tensor:  # [b, m, heads, D] in the query's dtype
     """Attention with each row's sums fixed by the row alone (module docstring): the query heads of each KV
     head folded into one block of g * m rows (head kv * g + r, query i -> row r * m + i), padded to a
-    multiple of MIN_ROWS, against BLOCK-column blocks of keys merged by an online softmax."""
+    multiple of MIN_ROWS, against BLOCK-column blocks of keys merged by an online softmax. On a CPU with
+    AVX-512 the same row-by-row function runs as one C call (`cpu.attention`: every row alone, its columns in
+    order), which a forward of few tokens spends far less on; the torch formulation elsewhere."""
     key, value = kv
+    if (fast := cpu_attention.attend(query, key, value, mask, scaling)) is not None:
+        return fast
     b, heads, m, dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
     rows = heads // kv_heads * m

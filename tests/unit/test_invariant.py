@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from actors.config import ModelConfig, TargetConfig, deterministic_on
+from speculative.engine.cpu import attention as cpu_attention
 from speculative.engine.invariant import BLOCK, InvariantLinear, invariant_attention, make_deterministic
 from speculative.engine.runner import ModelRunner, chain_parents
 
@@ -30,6 +31,34 @@ def test_invariant_attention_is_attention() -> None:
     ).transpose(1, 2)  # [b, m, heads, D]
     got = invariant_attention(query, (key, value), mask.repeat(1, 1, g, 1), dim**-0.5)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.skipif(cpu_attention.library() is None, reason="no AVX-512 CPU or no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_attention_is_the_torch_formulation_and_each_row_stands_alone(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cpu.attention` (what `invariant_attention` runs here) against the torch blocks within rounding, a
+    row's bits the same alone as among 7 others, and masked padding columns adding exact zeros."""
+    gen = torch.Generator().manual_seed(1)
+    b, heads, kv_heads, m, columns, dim = 2, 12, 2, 7, 300, 128
+    query = torch.randn(b, heads, m, dim, generator=gen).to(dtype)
+    key, value = torch.randn(2, b, kv_heads, columns, dim, generator=gen).to(dtype)
+    mask = torch.zeros(b, 1, heads // kv_heads * m, columns)
+    mask[..., -5:] = torch.finfo(torch.float32).min
+    got = invariant_attention(query, (key, value), mask.to(dtype), dim**-0.5)  # [b, m, heads, D]
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_attention, "library", lambda: None)  # the torch formulation
+        torch.testing.assert_close(got, invariant_attention(query, (key, value), mask.to(dtype), dim**-0.5))
+    rows = mask.reshape(b, 1, heads // kv_heads, m, columns)
+    alone = cpu_attention.attend(query[:, :, 3:4], key, value, rows[:, :, :, 3].to(dtype), dim**-0.5)
+    assert alone is not None and torch.equal(alone[:, 0], got[:, 3])
+    pad = torch.randn(2, b, kv_heads, 40, dim, generator=gen).to(dtype)
+    wider = torch.cat([mask, torch.full((*mask.shape[:-1], 40), torch.finfo(torch.float32).min)], dim=-1)
+    padded = cpu_attention.attend(
+        query, torch.cat([key, pad[0]], 2), torch.cat([value, pad[1]], 2), wider.to(dtype), dim**-0.5
+    )
+    assert padded is not None and torch.equal(padded, got)
 
 
 # Shapes whose libraries' kernels round a row by the forward's shape on CPUs with native bfloat16 (without
@@ -112,11 +141,12 @@ def test_a_row_is_the_same_bits_in_a_step_a_verify_a_batch_and_after_any_chunkin
 
 def test_deterministic_auto_is_on_for_a_bfloat16_cpu_target_of_one_shard() -> None:
     def target(**fields: object) -> TargetConfig:
-        model = {"path": "m", "dtype": fields.pop("dtype", "bfloat16")}
+        model = {"path": "m", "dtype": fields.pop("dtype", "bfloat16"), "weights": fields.pop("weights", "dequantized")}
         return TargetConfig.model_validate({"model": model, **fields})
 
     assert deterministic_on(target())
     assert not deterministic_on(target(dtype="float32"))
+    assert deterministic_on(target(dtype="float32", weights="auto"))  # GGUF weights: invariant kernels beside them
     assert not deterministic_on(target(tp_size=2))
     assert not deterministic_on(target(deterministic="off"))
     assert deterministic_on(target(dtype="float32", deterministic="on"))

@@ -1,0 +1,55 @@
+"""Batch-invariant attention as one C call per layer (`kernels/attention.c`): each query row's sums fixed by the
+row alone, in float32, so `invariant.invariant_attention` computes the same function at a fraction of its
+per-op cost (a decode step's 28 layers: one call each instead of ~20 torch ops each). Built once per machine
+(`compiled`); where it cannot run, `attend` returns None and the torch formulation runs."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from speculative.engine.cpu import compiled
+
+SOURCE = compiled.KERNELS / "attention.c"
+FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", *compiled.AVX512_FLAGS]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
+    pointer, long, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    arguments = [pointer, long, long, long, pointer, pointer, long, long, long, pointer, long, long]
+    arguments += [count] * 7 + [pointer]
+    return compiled.library(SOURCE, FLAGS, "invariant attention", {"attend": (arguments, count)})
+
+
+def attend(
+    query: torch.Tensor,  # [b, heads, m, D]
+    key: torch.Tensor,  # [b, kv_heads, C, D]
+    value: torch.Tensor,  # [b, kv_heads, C, D]
+    mask: torch.Tensor,  # [b, 1, g * m, C] additive
+    scaling: float,
+) -> torch.Tensor | None:  # [b, m, heads, D] in the query's dtype; None where the kernel does not take these
+    lib = library()
+    if lib is None or query.device.type != "cpu" or key.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    b, heads, m, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    if dim % 16 or dim > 256 or value.dtype != key.dtype:
+        return None
+    q = (query.float() * scaling).contiguous()  # [b, heads, m, D]
+    k = key if key.stride(-1) == 1 else key.contiguous()
+    v = value if value.stride(-1) == 1 and value.stride() == k.stride() else value.contiguous()
+    if v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    bias = mask.float().reshape(b, -1, columns).contiguous()  # [b, g * m, C]
+    out = torch.empty(b, m, heads, dim)  # [b, m, heads, D] float32
+    failed = lib.attend(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        bias.data_ptr(), bias.stride(0), bias.stride(1),
+        b, heads, kv_heads, m, columns, dim, int(k.dtype == torch.bfloat16), out.data_ptr(),
+    )  # fmt: skip
+    return None if failed else out.to(query.dtype)
