@@ -59,6 +59,17 @@ def test_the_c_attention_is_the_torch_formulation_and_each_row_stands_alone(
         query, torch.cat([key, pad[0]], 2), torch.cat([value, pad[1]], 2), wider.to(dtype), dim**-0.5
     )
     assert padded is not None and torch.equal(padded, got)
+    # a tree's node: the same visible keys with masked siblings between them (column 100 inserted, masked)
+    sibling = torch.full((*mask.shape[:-1], 1), torch.finfo(torch.float32).min)
+    between = torch.cat([mask[..., :100], sibling, mask[..., 100:]], dim=-1)
+    spread = cpu_attention.attend(
+        query,
+        torch.cat([key[:, :, :100], pad[0][:, :, :1], key[:, :, 100:]], 2),
+        torch.cat([value[:, :, :100], pad[1][:, :, :1], value[:, :, 100:]], 2),
+        between.to(dtype),
+        dim**-0.5,
+    )
+    assert spread is not None and torch.equal(spread, got)
 
 
 # Shapes whose libraries' kernels round a row by the forward's shape on CPUs with native bfloat16 (without

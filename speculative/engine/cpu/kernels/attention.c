@@ -3,9 +3,9 @@
 // For query row i of head h (KV head h / g, g = heads / kv_heads), over the C key columns of its sequence:
 //   s_c = q . k_c + mask_c;  w_c = exp(s_c - max s);  out = sum_c w_c v_c / sum_c w_c   (q scaled before)
 // in float32, columns in order, each dot product over the head's width in a fixed order. A row's result
-// depends on its own query, keys, values and mask row alone: not on the other rows of the call, nor on
-// padding columns (a score more than 87 below the row's maximum weighs exactly 0, so masked columns add
-// exact zeros). exp is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative error ~2e-7).
+// depends on its own query, keys, values and mask row alone, in the order of its visible columns: not on the
+// other rows of the call, nor on masked columns before, between or after them (a score more than 87 below the
+// row's maximum weighs exactly 0, and every sum over columns runs column by column, so zeros change no bit). exp is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative error ~2e-7).
 //
 // Shapes (element strides given for the batch, head and column dimensions; the head width D contiguous):
 //   q [b, heads, m, D], k and v [b, kv_heads, C, D] (float32, or bfloat16 where `bf16`), mask [b, g * m, C]
@@ -54,13 +54,13 @@ static void row(const float* q, const uint8_t* k, const uint8_t* v, long col_byt
         top = s > top ? s : top;
     }
     for (int c = C; c < C + 16; c++) scores[c] = -INFINITY;
-    __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
-    for (int c = 0; c < C; c += 16) {
-        __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + c), topv));
-        _mm512_storeu_ps(scores + c, w);
-        sum = _mm512_add_ps(sum, w);
-    }
-    float total = _mm512_reduce_add_ps(sum);
+    __m512 topv = _mm512_set1_ps(top);
+    for (int c = 0; c < C; c += 16) _mm512_storeu_ps(scores + c, exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + c), topv)));
+    // the weights summed one by one, in column order: a tree's node sees its ancestors at other columns than
+    // the same tokens in a chain, with masked siblings (exact zeros) between them, and only a sequential sum
+    // is blind to where zeros stand (a sum by SIMD lanes would group the same weights otherwise)
+    float total = 0.0f;
+    for (int c = 0; c < C; c++) total += scores[c];
     __m512 o[16];
     for (int j = 0; j < vectors; j++) o[j] = _mm512_setzero_ps();
     for (int c = 0; c < C; c++) {
