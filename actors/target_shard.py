@@ -68,7 +68,10 @@ class TargetShard:
             if address is None or port is None:
                 raise ValueError("tp_size > 1 needs rank 0's address and port")
             tp.join_group(self.rank, world, address, port, self.config.model.device, self.config.torch_extensions_dir)
-        model = load_lm(self.config.model, self._resolve)
+        settings = self.config.model
+        if world > 1 and settings.weights == "auto":  # shards split dense weights (`stored` is refused at tp_size > 1)
+            settings = settings.model_copy(update={"weights": "dequantized"})
+        model = load_lm(settings, self._resolve)
         eos = eos_ids_of(model)
         config = model.config
         model = tp.shard(model, world)

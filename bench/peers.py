@@ -118,7 +118,7 @@ def _prefill(runs: list[Streamed]) -> float:
     return sum(r.prompt_tokens for r in runs) / sum(r.first_token_s for r in runs)
 
 
-def write(args: argparse.Namespace, runs: dict[str, dict[str, list[Streamed]]], machine: str, why: str | None) -> None:
+def write(args: argparse.Namespace, runs: dict[str, dict[str, list[Streamed]]], why: str | None) -> None:
     modes = list(runs)
     rows = []
     for mode in modes:
@@ -127,7 +127,9 @@ def write(args: argparse.Namespace, runs: dict[str, dict[str, list[Streamed]]], 
             ttft = sum(r.first_token_s for r in streams) / len(streams)
             rows.append([mode, kind, _rate(streams), ttft])
         rows.append([mode, "prefill", _prefill(runs[mode]["prefill"]), runs[mode]["prefill"][0].prompt_tokens])
-    summary: dict[str, Any] = {"machine": machine}
+    summary: dict[str, Any] = {}
+    info = report.machine()
+    machine = f"{info['cpu']} ({info['isa']}), {info['cores']} cores"
     base = "llama.cpp plain"
     if base in runs:
         for kind in PROMPTS:
@@ -167,21 +169,6 @@ def write(args: argparse.Namespace, runs: dict[str, dict[str, list[Streamed]]], 
     print(stem.with_suffix(".md").read_text())
 
 
-def machine_name() -> str:
-    """The CPU's model name and core count, as every figure names it."""
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        "unknown CPU",
-    )
-    flags = Path("/proc/cpuinfo").read_text()
-    kind = "AMX" if "amx_tile" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "AVX2"
-    return f"{model} ({kind}), {os.cpu_count()} cores"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
@@ -205,7 +192,7 @@ def main() -> None:
         url = deploy_local(shipped, args.port)
         urls = {**{m: url for m in SPECSERVE_MODES}, **urls}
         runs = measure(urls, model, args.passes, args.max_tokens)
-    write(args, runs, machine_name(), why)
+    write(args, runs, why)
 
 
 if __name__ == "__main__":

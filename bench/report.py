@@ -25,6 +25,12 @@ def machine() -> dict[str, Any]:
         )
     except (OSError, StopIteration):
         cpu = platform.processor()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    kinds = (("amx_tile", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx2", "AVX2"))  # the first this CPU has
+    isa = next((name for flag, name in kinds if flag in flags), "?")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     try:  # "-dirty": the run's tree held uncommitted changes to tracked files, so the commit is not what ran
         commit = subprocess.run(
@@ -34,6 +40,7 @@ def machine() -> dict[str, Any]:
         commit = ""
     return {
         "cpu": cpu,
+        "isa": isa,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
@@ -67,7 +74,8 @@ def write(
     data = {"machine": measured_on or machine(), **data}
     (folder / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     info = data["machine"]
-    header = f"Machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}"
+    isa = f" ({info['isa']})" if info.get("isa") else ""  # (results measured before the field have none)
+    header = f"Machine: {info['cpu']}{isa}, {info['cores']} cores, torch threads {info['torch_threads']}"
     header += f", GPU {info['gpu']}" if info["gpu"] else ", no GPU"
     header += f"; commit {info['commit']}.\n\n"
     (folder / f"{name}.md").write_text(f"# {name}\n\n{header}{markdown}\n")

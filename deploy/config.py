@@ -286,9 +286,8 @@ class AppConfig(ModelSettings):
         )
 
     def target(self) -> TargetConfig:
-        weights = "dequantized" if self.target_weights == "auto" and self.tp_size > 1 else self.target_weights
         return TargetConfig(
-            model=self._model(self.target_model, weights=weights),
+            model=self._model(self.target_model, weights=self.target_weights),
             tp_size=self.tp_size,
             heads=self.drafter if self.drafter.on_target else None,
             **_fields(self.target_pool, TargetSettings),

@@ -91,7 +91,10 @@ def fetch(name: str, cache_dir: str | os.PathLike[str] | None = None, *, log: Lo
     with _model_lock(root, spec.name):
         if is_complete(final):  # another process finished it while we waited, or a cache from before GGUFs were kept
             if not (final / spec.gguf_file).is_file():
-                _fetch_gguf(spec, root, final, say)
+                try:
+                    _fetch_gguf(spec, root, final, say)
+                except (RuntimeError, OSError) as e:  # offline, say: the converted folder still serves, dense
+                    say(f"[{spec.name}] its GGUF file was not fetched ({e}); a target runs on its dequantized weights")
             return final
         _remove_stale(root, spec.name, final)
         started = time.perf_counter()

@@ -84,8 +84,9 @@ def invariant_attention(
     """Attention with each row's sums fixed by the row alone (module docstring): the query heads of each KV
     head folded into one block of g * m rows (head kv * g + r, query i -> row r * m + i), padded to a
     multiple of MIN_ROWS, against BLOCK-column blocks of keys merged by an online softmax. On a CPU with
-    AVX-512 the same row-by-row function runs as one C call (`cpu.attention`: every row alone, its columns in
-    order), which a forward of few tokens spends far less on; the torch formulation elsewhere."""
+    AVX-512 one C call computes it instead (`cpu.attention`: every row alone, its columns in order; equal to
+    this to rounding, invariant alike, and chosen per process, so every forward of a replica runs the same
+    one), which a forward of few tokens spends far less on; the torch formulation elsewhere."""
     key, value = kv
     if (fast := cpu_attention.attend(query, key, value, mask, scaling)) is not None:
         return fast

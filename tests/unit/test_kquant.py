@@ -210,7 +210,9 @@ def test_speculation_on_stored_weights_gives_plain_decodings_tokens(stored_pair,
 
 def test_sampled_speculation_on_stored_weights_draws_the_targets_distribution(stored_pair) -> None:
     """Sampled chain drafts accepted by rejection on the stored-weights target: the first token over 400 seeds
-    follows the target's own top-k distribution at the prompt (chi-square goodness of fit)."""
+    follows the target's own top-k distribution at the prompt (chi-square goodness of fit: a gross break
+    only). The rules' power comes from their own suite (tests/unit/test_acceptance_distribution.py, 10^5+
+    samples per setting): they see only logits, which the stored weights change and nothing else."""
     target, draft = stored_pair
     params = [SamplingParams(temperature=0.8, top_k=6, max_tokens=3, seed=s) for s in range(400)]
     decoded = []

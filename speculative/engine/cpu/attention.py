@@ -1,7 +1,8 @@
 """Batch-invariant attention as one C call per layer (`kernels/attention.c`): each query row's sums fixed by the
-row alone, in float32, so `invariant.invariant_attention` computes the same function at a fraction of its
-per-op cost (a decode step's 28 layers: one call each instead of ~20 torch ops each). Built once per machine
-(`compiled`); where it cannot run, `attend` returns None and the torch formulation runs."""
+row alone, in float32, so `invariant.invariant_attention` computes the same attention (to rounding: its own
+exp and sum order) with the same invariance, at a fraction of the torch formulation's per-op cost (a decode
+step's 28 layers: one call each instead of ~20 torch ops each). Built once per machine (`compiled`); where it
+cannot run, `attend` returns None and the torch formulation runs."""
 
 from __future__ import annotations
 
@@ -40,9 +41,8 @@ def attend(
     if dim % 16 or dim > 256 or value.dtype != key.dtype:
         return None
     q = (query.float() * scaling).contiguous()  # [b, heads, m, D]
-    k = key if key.stride(-1) == 1 else key.contiguous()
-    v = value if value.stride(-1) == 1 and value.stride() == k.stride() else value.contiguous()
-    if v.stride() != k.stride():
+    k, v = key, value  # [b, kv_heads, C, D] each, one set of strides for both, the head width contiguous
+    if k.stride(-1) != 1 or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
     bias = mask.float().reshape(b, -1, columns).contiguous()  # [b, g * m, C]
     out = torch.empty(b, m, heads, dim)  # [b, m, heads, D] float32

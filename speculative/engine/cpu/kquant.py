@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,12 +34,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
     mm = ([count, pointer, count, count, pointer, count, pointer, count, count], ctypes.c_int)
-    tile_bytes = ([count, count], ctypes.c_long)
-    return compiled.library(SOURCE, FLAGS, "GGUF target weights", {"kquant_mm": mm, "kquant_tile_bytes": tile_bytes})
-
-
-def build(folder: Path, compiler: str | None) -> Path | None:
-    return compiled.build(SOURCE, FLAGS, folder, compiler, "GGUF target weights")
+    return compiled.library(SOURCE, FLAGS, "GGUF target weights", {"kquant_mm": mm})
 
 
 def takes(kind: int, inputs: int) -> bool:
@@ -116,38 +110,35 @@ def dequantize(c: Codes) -> torch.Tensor:
 def pack(c: Codes) -> torch.Tensor:
     """The kernel's layout of `c` (the C source's header says it): [tiles, tile bytes] uint8, outputs padded to
     whole tiles of 16 with zero scales."""
-    out, inputs = c.codes.shape
+    out = c.codes.shape[0]
     tiles = -(-out // TILE)
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:  # [out, n] -> [tiles, n, 16 lanes] (per tile, a value per output)
-        t = torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE - out))
-        return t.reshape(tiles, TILE, -1).transpose(1, 2)
+    def padded(t: torch.Tensor) -> torch.Tensor:  # [out, n] -> [tiles, 16, n]
+        return torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE - out)).reshape(tiles, TILE, -1)
 
-    def as_bytes(t: torch.Tensor, per: int) -> torch.Tensor:  # [tiles, n, 16] -> [tiles, n / per, per * bytes]
-        return lanes_bytes(t.contiguous()).reshape(tiles, t.shape[1] // per, -1)
+    def per_tile(t: torch.Tensor, per: int) -> torch.Tensor:  # [out, n] -> [tiles, n / per, per * 16 values' bytes]
+        lanes = padded(t).transpose(1, 2).contiguous()  # [tiles, n, 16]: a value per output of the tile
+        return lanes.view(torch.uint8).reshape(tiles, lanes.shape[1] // per, -1)
 
-    def lanes_bytes(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8).reshape(tiles, t.shape[1], -1)
-
-    codes = torch.nn.functional.pad(c.codes, (0, 0, 0, tiles * TILE - out)).reshape(tiles, TILE, inputs)
+    codes = padded(c.codes)  # [tiles, 16, in]
     if c.kind == Q8_0:
         blocks = codes.reshape(tiles, TILE, -1, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, -1, 512)  # [T, G, 512]
-        return torch.cat([as_bytes(lanes(c.d), 1), blocks], dim=-1).reshape(tiles, -1).contiguous()
+        return torch.cat([per_tile(c.d, 1), blocks], dim=-1).reshape(tiles, -1).contiguous()
     low = codes & 15
     split = low.reshape(tiles, TILE, -1, 8, 4, 2, 4)  # [tile, lane, 256s, group, chunk, low/high nibble, byte]
     nibbles = (split[..., 0, :] | (split[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5)  # [T, S, group, chunk, lane, b]
     nibbles = nibbles.reshape(tiles, -1, 8, 256)  # [T, S, group, 256]
-    d = as_bytes(lanes(c.d), 1)  # [T, S, 32]
+    d = per_tile(c.d, 1)  # [T, S, 32]
     assert c.scales is not None
     if c.kind == Q4_K:
         assert c.dmin is not None and c.mins is not None
-        header = [d, as_bytes(lanes(c.dmin), 1), as_bytes(lanes(c.scales), 8), as_bytes(lanes(c.mins), 8)]
+        header = [d, per_tile(c.dmin, 1), per_tile(c.scales, 8), per_tile(c.mins, 8)]
         return torch.cat([*header, nibbles.reshape(tiles, -1, 2048)], dim=-1).reshape(tiles, -1).contiguous()
     high = (codes >> 4).reshape(tiles, TILE, -1, 8, 2, 4, 4)  # [tile, lane, 256s, group, half, quarter, byte]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
     bits = (high << shifts).sum(dim=5, dtype=torch.uint8).permute(0, 2, 3, 4, 1, 5)  # [T, S, group, half, lane, b]
     groups = torch.cat([nibbles, bits.reshape(tiles, -1, 8, 128)], dim=-1).reshape(tiles, -1, 8 * 384)
-    return torch.cat([d, as_bytes(lanes(c.scales), 16), groups], dim=-1).reshape(tiles, -1).contiguous()
+    return torch.cat([d, per_tile(c.scales, 16), groups], dim=-1).reshape(tiles, -1).contiguous()
 
 
 def matmul(kind: int, packed: torch.Tensor, out: int, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:

@@ -40,9 +40,7 @@
 #define Q4_K_BYTES 2368  // per tile and 256 inputs
 #define Q6_K_BYTES 3360
 #define Q8_0_BYTES 544  // per tile and 32 inputs
-#ifndef PREFETCH
-#define PREFETCH 1024
-#endif
+#define PREFETCH 1024  // bytes ahead of the block in use, fetched into L1
  // bytes ahead of the block in use, fetched into L2
 
 typedef struct {
