@@ -203,6 +203,13 @@ class TargetSettings(BaseModel):
     kv_memory_fraction: KvMemoryFraction = 0.5
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs each shard actor reserves.")
     cpu_cores: CpuCores = None
+    borrow_cores: tuple[Annotated[int, Field(ge=0, le=65_535)], ...] = Field(
+        default=(),
+        description="CPU cores the target's GGUF kernel (weights: stored) also runs on during a verify that no "
+        "draft call runs beside (a round the planner decodes plainly, a request without speculation): on a "
+        "small machine, the draft's core, so plain decoding gets every core while speculation keeps the draft's. "
+        "Its threads split a weight's outputs, so the tokens are the same; needs cpu_cores and tp_size 1.",
+    )
     shard_num_gpus: float = Field(
         default=0.0, ge=0, le=1, description="GPUs each shard actor reserves (1 on GPU machines)."
     )
@@ -244,6 +251,10 @@ class TargetConfig(TargetSettings):
             raise ValueError(
                 f"cpu_cores: {len(self.cpu_cores)} cores do not split evenly over tp_size {self.tp_size} ranks"
             )
+        if self.borrow_cores and (self.cpu_cores is None or self.tp_size > 1):
+            raise ValueError("borrow_cores needs cpu_cores (the target's own cores) and tp_size 1")
+        if set(self.borrow_cores) & set(self.cpu_cores or ()):
+            raise ValueError(f"borrow_cores {list(self.borrow_cores)} overlap cpu_cores {list(self.cpu_cores or ())}")
         if self.deterministic == "on" and (self.tp_size > 1 or self.model.device != "cpu"):
             raise ValueError("deterministic: 'on' is for a CPU target with tp_size 1 (the invariant kernels' home)")
         if self.model.weights == "stored" and self.tp_size > 1:

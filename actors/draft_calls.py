@@ -4,7 +4,8 @@ take, and when the lane may call at all.
 A draft failure never fails a request: after one, the lane decodes without speculation for
 `draft_backoff_s`. A pre-draft that outlived its round (`actors/round_ahead.py`) is left to finish,
 and the pool is not called again until it has answered, so a slow replica is never sent a second
-call beside its first.
+call beside its first. The router's lanes count their calls in flight together (`InFlight`): a verify
+sent while none runs may borrow the draft's cores (`TargetSettings.borrow_cores`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
 
 from actors.config import RouterConfig
 from actors.pools import Pool
@@ -21,13 +24,34 @@ from actors.wire import Drafted
 from speculative.drafters.base import DraftRequest
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class InFlight:
+    """Draft calls in flight from a router's lanes, counted from the moment each is made until it ends."""
+
+    calls: int = 0
+
+    def track(self, call: Awaitable[T]) -> asyncio.Future[T]:
+        """`call` as a task, counted until it is done (answered, failed or cancelled, even before it started)."""
+        task = asyncio.ensure_future(call)
+        self.calls += 1
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, _: object) -> None:
+        self.calls -= 1
 
 
 class DraftCalls:
     """The draft pool as one lane calls it: per group, the sequence ids its next call releases."""
 
-    def __init__(self, pool: Pool | None, lane: str, groups: int, config: RouterConfig) -> None:
+    def __init__(
+        self, pool: Pool | None, lane: str, groups: int, config: RouterConfig, in_flight: InFlight | None = None
+    ) -> None:
         self.pool, self.lane, self.config = pool, lane, config
+        self.in_flight = in_flight or InFlight()  # the router's count, shared by its lanes
         self.release: list[list[str]] = [[] for _ in range(groups)]  # per group, sent with its next call
         self._off_until = 0.0  # no calls before this (`time.time()`): the backoff after a failure
         self._late: asyncio.Task[Drafted] | None = None  # a pre-draft that outlived its round
@@ -50,9 +74,8 @@ class DraftCalls:
     async def propose(self, g: int, cache_key: str, requests: list[DraftRequest], work_tokens: int) -> Drafted:
         """Group `g`'s drafts, releasing what it holds to release; on failure the releases wait for the next call."""
         assert self.pool is not None
-        drafted: Drafted = await asyncio.wait_for(
-            self.pool.call("propose", self.lane, cache_key, requests, self.release[g]), self.deadline(work_tokens)
-        )
+        call = self.pool.call("propose", self.lane, cache_key, requests, self.release[g])
+        drafted: Drafted = await asyncio.wait_for(self.in_flight.track(call), self.deadline(work_tokens))
         self.release[g] = []
         return drafted
 
@@ -63,7 +86,7 @@ class DraftCalls:
         list again if it fails)."""
         assert self.pool is not None
         released, self.release[g] = self.release[g], []
-        call = self.pool.call("propose", self.lane, cache_key, requests, released)
+        call = self.in_flight.track(self.pool.call("propose", self.lane, cache_key, requests, released))
         return asyncio.get_running_loop().create_task(asyncio.wait_for(call, self.deadline(work_tokens))), released
 
     def leave_running(self, task: asyncio.Task[Drafted]) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from actors.config import RouterConfig
-from actors.draft_calls import DraftCalls, send_work
+from actors.draft_calls import DraftCalls, InFlight, send_work
 from actors.metrics import RouterMetrics
 from actors.pools import Pool, replica_lost, verify_failure
 from actors.records import Live, StepRecord, bare_proposal, usage, with_logprobs
@@ -83,6 +83,7 @@ class LaneContext:
     record: Callable[[StepRecord], None]
     metrics: RouterMetrics
     costs: StepCosts  # measured verify / draft costs, shared by the router's lanes
+    drafting: InFlight  # draft calls in flight from the router's lanes
 
 
 class Lane:
@@ -94,7 +95,7 @@ class Lane:
         pool_drafts = ctx.draft is not None and (ctx.config.lookup_ngrams is None or ctx.config.lookup_quotes)
         n = 2 if ctx.config.pipelining and pool_drafts else 1
         self.groups = [_Group(g, f"{key}/{g}") for g in range(n)]
-        self.calls = DraftCalls(ctx.draft, key, n, ctx.config)
+        self.calls = DraftCalls(ctx.draft, key, n, ctx.config, ctx.drafting)
         self.target_waiting = 0  # verify calls queued at our target replica, as last reported
         config, ngrams = ctx.config, ctx.config.lookup_ngrams
         # Prompt lookup is drafted here (no call) and depths know each match; beside a draft model, quotes only.
@@ -255,7 +256,7 @@ class Lane:
         lives = list(group.lives.values())
         items = [_verify_item(x) for x in lives]
         pre = self.ahead.start(group.index, group.key, lives, self.target_waiting) if ahead else None
-        verified = await self._verify_call(group, items)
+        verified = await self._verify_call(group, items, borrow=not self.ctx.drafting.calls)
         arrived = time.perf_counter()
         group.drafted = False
         if isinstance(verified, str):
@@ -296,13 +297,14 @@ class Lane:
                 committed += self._emit(group, live, tree, len(verdict.accepted), new)
         return committed
 
-    async def _verify_call(self, group: _Group, items: list[WireVerifyItem]) -> Verified | str:
-        """The verdicts, or why the verify failed for good (retries spent, or an error retrying cannot fix)."""
+    async def _verify_call(self, group: _Group, items: list[WireVerifyItem], borrow: bool) -> Verified | str:
+        """The verdicts, or why the verify failed for good (retries spent, or an error retrying cannot fix).
+        `borrow`: no draft call runs beside it, so the target may borrow the draft's cores."""
         error: BaseException | None = None
         for attempt in range(self.ctx.config.verify_retries + 1):
             try:
                 verified: Verified = await self.ctx.target.call(
-                    "verify", self.key, group.key, items, group.release_target
+                    "verify", self.key, group.key, items, group.release_target, borrow
                 )
                 group.release_target = []
                 return verified

@@ -26,6 +26,7 @@ from typing import Any
 
 from actors.admission import ContextWindow
 from actors.config import RouterConfig
+from actors.draft_calls import InFlight
 from actors.heap import freeze_heap
 from actors.lane import Lane, LaneContext
 from actors.loading import Resolver, identity, load_decoder
@@ -98,6 +99,7 @@ class Router:
         self._metrics = RouterMetrics()
         mark_replica_up()
         self._costs = StepCosts(config.depth)  # lanes come and go; what a verify or draft costs here outlives them
+        self._drafting = InFlight()  # draft calls in flight from every lane (a verify beside none may borrow cores)
         freeze_heap()
 
     # ---- public API ----------------------------------------------------------------------
@@ -241,6 +243,7 @@ class Router:
             self._records.append,
             self._metrics,
             self._costs,
+            self._drafting,
         )
 
         def closed(lane: Lane) -> None:

@@ -114,9 +114,15 @@ class TargetReplica:
         freeze_heap()
 
     async def verify(
-        self, cache_key: str, items: list[WireVerifyItem], release: list[str], lane: str | None = None
+        self,
+        cache_key: str,
+        items: list[WireVerifyItem],
+        release: list[str],
+        borrow: bool = False,
+        lane: str | None = None,
     ) -> Verified:
-        """Verify a micro-batch on every shard; rank 0's verdicts. `lane` is for request routing.
+        """Verify a micro-batch on every shard; rank 0's verdicts. `borrow`: no draft call runs beside it (the
+        shards' `borrow_cores` are free). `lane` is for request routing.
 
         Once a shard is lost, a call fails as a lost replica (RayActorError), which lanes retry onto the
         replica Serve starts instead; only the forward the loss interrupted carries its cause (an
@@ -133,7 +139,7 @@ class TargetReplica:
         try:
             if self._failed is not None:  # checked under the lock: a call queued behind the lost forward too
                 raise ray.exceptions.ActorUnavailableError(f"lost a shard ({type(self._failed).__name__})", None)
-            results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key))
+            results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key), borrow)
         except Exception as e:
             if not isinstance(e, SHARD_LOST):
                 # A forward that failed half-way leaves the group's caches mid-speculation: forget them on

@@ -30,6 +30,7 @@ from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.drafters.heads import TreeHeads
 from speculative.engine.captured import TREE_ROOM, graphs_on, runner_for
+from speculative.engine.cpu import kquant
 from speculative.engine.invariant import make_deterministic
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
 from speculative.engine.kv_cache import preallocated
@@ -49,8 +50,14 @@ class TargetShard:
     ) -> None:
         """`own_process`: the shard is alone in its process (a Ray actor), so `config.cpu_cores` applies."""
         self.config, self.rank, self._resolve = config, rank, resolve
-        if own_process and config.cpu_cores is not None:
-            pin_process(rank_cores(config.cpu_cores, rank, config.tp_size))
+        # a borrowing forward's kernel threads: thread 0 (this one) on its own cores, one per borrowed core
+        self._borrow: tuple[int, ...] = ()
+        if (
+            own_process
+            and config.cpu_cores is not None
+            and pin_process(own := rank_cores(config.cpu_cores, rank, config.tp_size))
+        ):
+            self._borrow = (*own, *config.borrow_cores) if config.borrow_cores else ()
         self._verifiers: GroupCaches[TargetVerifier] | None = None
         self._info: TargetInfo | None = None
 
@@ -113,10 +120,11 @@ class TargetShard:
         return self.config.heads.build_heads(model) if self.config.heads is not None else None
 
     def verify(
-        self, cache_key: str, items: list[WireVerifyItem], release: list[str], drop: list[str]
+        self, cache_key: str, items: list[WireVerifyItem], release: list[str], drop: list[str], borrow: bool = False
     ) -> tuple[list[Verdict], Work]:
+        """`borrow`: no draft call runs beside this one, so the GGUF kernel may use `borrow_cores` too."""
         assert self._verifiers is not None, "load() first"
-        with Stopwatch() as sw:
+        with kquant.borrowing(self._borrow if borrow else ()), Stopwatch() as sw:
             self._verifiers.drop(drop)
             verifier = self._verifiers.get(cache_key)
             if release:

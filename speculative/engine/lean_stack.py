@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from speculative.engine.cpu.kquant import KQuantLinear
 from speculative.engine.kv_cache import SlotCache
 from speculative.engine.packing import packed_attention
 
@@ -40,13 +41,43 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+Projections = Callable[[torch.Tensor], list[torch.Tensor]]  # [T, in] -> each Linear's [T, out]
+
+
+def projections(*linears: Any) -> Projections:
+    """The Linear layers' outputs of one input: one kernel call where all hold GGUF weights (the input quantized
+    once, the same bits as a call each: `KQuantLinear.joint`), else a call each."""
+    if all(isinstance(m, KQuantLinear) for m in linears):
+        return linears[0].joint(*linears[1:])
+    return lambda h: [m(h) for m in linears]
+
+
+def layer_projections(base: Any) -> list[tuple[Projections, Projections]]:
+    """Per layer, its (q, k, v) and its (gate, up) projections."""
+    return [
+        (
+            projections(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            projections(layer.mlp.gate_proj, layer.mlp.up_proj),
+        )
+        for layer in base.layers
+    ]
+
+
 # layer i's attention: rotated queries [1, heads, T, D], rotated keys and values [1, kv_heads, T, D] -> [T, heads * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def run_layers(base: Any, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+def run_layers(
+    base: Any,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    attend: Attend,
+    projected: list[tuple[Projections, Projections]] | None = None,
+) -> torch.Tensor:
     """The stack over packed tokens [T] at position ids [T] -> last hidden states [T, H], after the final norm;
-    `attend` stores each layer's keys and values and attends (the runner's packed cache, or a fixed one)."""
+    `attend` stores each layer's keys and values and attends (the runner's packed cache, or a fixed one);
+    `projected`: `layer_projections(base)`, made once (None: made here)."""
+    projected = projected if projected is not None else layer_projections(base)
     x = base.embed_tokens(tokens)  # [T, H]
     t = x.shape[0]
     cos, sin = base.rotary_emb(x[None], positions[None])  # [1, T, D] each
@@ -54,13 +85,11 @@ def run_layers(base: Any, tokens: torch.Tensor, positions: torch.Tensor, attend:
     for i, layer in enumerate(base.layers):
         attn, mlp = layer.self_attn, layer.mlp
         d = attn.head_dim
-        h = _rms_norm(x, layer.input_layernorm)
-        q = attn.q_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, heads, T, D]
-        k = attn.k_proj(h).view(1, t, -1, d).transpose(1, 2)  # [1, kv_heads, T, D]
-        v = attn.v_proj(h).view(1, t, -1, d).transpose(1, 2)
-        x = x + attn.o_proj(attend(i, _rotated(q, cos, sin), _rotated(k, cos, sin), v))
-        h = _rms_norm(x, layer.post_attention_layernorm)
-        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        qkv, gate_up = projected[i]
+        q, k, v = (y.view(1, t, -1, d).transpose(1, 2) for y in qkv(_rms_norm(x, layer.input_layernorm)))
+        x = x + attn.o_proj(attend(i, _rotated(q, cos, sin), _rotated(k, cos, sin), v))  # q: [1, heads, T, D]
+        gate, up = gate_up(_rms_norm(x, layer.post_attention_layernorm))
+        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
     return _rms_norm(x, base.norm)
 
 
@@ -69,6 +98,7 @@ class LeanStack:
     """`base(input_ids, position_ids, attention_mask, cache)` of a known base model, fewer calls."""
 
     base: Any  # the model's `base_model` (its submodules are read by name, as `lean_stack` checked them)
+    projected: list[tuple[Projections, Projections]]  # `layer_projections(base)`
 
     def __call__(
         self,
@@ -85,7 +115,7 @@ class LeanStack:
             o, _ = packed_attention(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling)
             return o.reshape(q.shape[2], -1)
 
-        return run_layers(self.base, tokens, positions, attend)
+        return run_layers(self.base, tokens, positions, attend, self.projected)
 
 
 def lean_stack(base: torch.nn.Module) -> LeanStack | None:
@@ -105,4 +135,4 @@ def lean_stack(base: torch.nn.Module) -> LeanStack | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(hasattr(n, "variance_epsilon") for n in norms) or any(p is None for p in parts):
             return None
-    return LeanStack(stack) if hasattr(stack.norm, "variance_epsilon") else None
+    return LeanStack(stack, layer_projections(stack)) if hasattr(stack.norm, "variance_epsilon") else None

@@ -283,3 +283,51 @@ def test_a_pre_draft_for_a_sequence_the_verdict_ended_is_neither_hit_nor_miss() 
     going, ended = asyncio.run(settle(False)), asyncio.run(settle(True))
     assert going is not None and (going.tried, going.hits) == (1, 1)
     assert ended is not None and (ended.tried, ended.hits) == (0, 0) and ended.unverified == 2
+
+
+class CountedDrafts:
+    """A draft pool that counts its calls from the moment each is made until it answers."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.running = inner, 0
+
+    def call(self, method: str, lane: str | None, *args: object) -> object:
+        self.running += 1
+
+        async def answer() -> object:
+            try:
+                return await self.inner.call(method, lane, *args)  # type: ignore[attr-defined]
+            finally:
+                self.running -= 1
+
+        return answer()
+
+
+class BorrowSeen:
+    """A target pool that records each verify's `borrow` and how many draft calls were running then."""
+
+    def __init__(self, inner: object, drafts: CountedDrafts) -> None:
+        self.inner, self.drafts, self.seen = inner, drafts, []
+
+    async def call(self, method: str, lane: str | None, *args: object) -> object:
+        if method == "verify":
+            self.seen.append((args[-1], self.drafts.running))
+        return await self.inner.call(method, lane, *args)  # type: ignore[attr-defined]
+
+
+def test_a_verify_borrows_the_drafts_cores_only_while_no_draft_call_runs(tiny_pair: TinyPair) -> None:
+    """The target may borrow the draft's cores (`borrow_cores`) for a verify no draft call runs beside: never
+    beside a pre-draft or a catch-up, always for a request that does not speculate."""
+    prompt, _ = prompts_and_lengths(1, seed=4)[0]
+    router = make_router(tiny_pair, depth={"load_adaptive": False})
+    drafts = CountedDrafts(router._draft)
+    seen = BorrowSeen(router._target, drafts)
+    router._draft, router._target = drafts, seen  # type: ignore[assignment]
+    speculated = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
+    assert speculated["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
+    assert all(running == 0 for borrow, running in seen.seen if borrow), "borrowed beside a running draft call"
+    assert {borrow for borrow, _ in seen.seen} == {True, False}, "pre-drafts ran beside some verifies, not all"
+    seen.seen.clear()
+    plain = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24, "max_draft_tokens": 0}))
+    assert plain["token_ids"] == speculated["token_ids"]
+    assert seen.seen and all(borrow for borrow, _ in seen.seen), "a request without speculation borrows every verify"

@@ -59,3 +59,14 @@ def test_tensor_parallel_ranks_take_equal_slices_in_order() -> None:
         TargetConfig(model=model, tp_size=2, cpu_cores=(0, 1, 2))
     with pytest.raises(ValidationError):
         TargetConfig(model=model, cpu_cores=())
+
+
+def test_borrowed_cores_need_own_cores_of_a_single_shard_and_not_the_same_ones() -> None:
+    model = ModelConfig(path="m")
+    assert TargetConfig(model=model, cpu_cores=(0,), borrow_cores=(1,)).borrow_cores == (1,)
+    with pytest.raises(ValidationError, match="borrow_cores needs cpu_cores"):
+        TargetConfig(model=model, borrow_cores=(1,))
+    with pytest.raises(ValidationError, match="borrow_cores needs cpu_cores"):
+        TargetConfig(model=model, tp_size=2, cpu_cores=(0, 1), borrow_cores=(2,))
+    with pytest.raises(ValidationError, match=r"borrow_cores \[0, 1\] overlap cpu_cores \[0\]"):
+        TargetConfig(model=model, cpu_cores=(0,), borrow_cores=(0, 1))

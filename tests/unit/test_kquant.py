@@ -8,6 +8,7 @@ activations), each Linear's rows the same bits at 1, 5 and 16 rows and on 1 or 2
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from scipy import stats
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from actors.config import ModelConfig
+from actors.cpu_cores import usable_cores
 from actors.loading import load_lm
 from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import drafter_config
@@ -143,6 +145,56 @@ def test_a_rows_outputs_are_the_same_bits_at_any_row_count_and_thread_count(tmp_
             assert torch.equal(kquant.matmul(layer.kind, layer.packed, layer.out_features, x[:rows]), full[:rows])
         assert torch.equal(kquant.matmul(layer.kind, layer.packed, layer.out_features, x, threads=2), full)
         assert layer(x[:0]).shape == (0, layer.out_features)  # a forward whose rows all prefill: no head rows
+
+
+def test_a_layers_projections_in_one_call_are_the_same_bits_as_a_call_each(tmp_path: Path) -> None:
+    """q, k and v (Q4_K, Q6_K, Q8_0 here), and gate and up, through one kernel call (the lean stack's): each the
+    bits of its own call, at 1 and 16 rows; the model's logits are the same through the joint calls."""
+    folder, _ = _tiny(tmp_path)
+    model = load_lm(ModelConfig(path=str(folder), dtype="float32", weights="stored"))
+    layer = model.model.layers[0]
+    generator = torch.Generator().manual_seed(3)
+    for parts in [
+        (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+        (layer.mlp.gate_proj, layer.mlp.up_proj),
+    ]:
+        joint = parts[0].joint(*parts[1:])
+        for rows in (1, 16):
+            x = torch.randn(rows, parts[0].in_features, generator=generator).to(torch.bfloat16)  # [rows, in]
+            for got, part in zip(joint(x), parts, strict=True):
+                assert torch.equal(got, part(x)), f"{kquant.NAMES[part.kind]} joint differs from its own call"
+    with pytest.raises(ValueError, match="one input width"):
+        layer.mlp.gate_proj.joint(layer.mlp.down_proj)
+    lean, plain = ModelRunner(model, lean=True), ModelRunner(model)
+    prompt = list(range(5, 30))
+    logits = []
+    for runner in (lean, plain):
+        runner.add_rows(["a"])
+        logits.append(runner.forward([prompt], [list(range(-1, len(prompt) - 1))], [list(range(len(prompt)))]))
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.skipif(len(usable_cores()) < 2, reason="borrowing needs a second core")
+def test_a_borrowing_forward_runs_a_thread_on_the_borrowed_core_with_the_same_bits(tmp_path: Path) -> None:
+    """Inside `borrowing((own, other))` the kernel runs 2 threads, the second pinned to `other` (the draft's idle
+    core, `TargetSettings.borrow_cores`), and every output is the bits of one thread's."""
+    folder, _ = _tiny(tmp_path)
+    model = load_lm(ModelConfig(path=str(folder), dtype="float32", weights="stored"))
+    own, other = sorted(usable_cores())[:2]
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))  # [3, H]
+    layer = model.model.layers[0].mlp.gate_proj
+    alone = layer(x)
+
+    def pinned_to_other() -> int:  # this process's threads that run on `other` alone
+        return sum(os.sched_getaffinity(int(t)) == {other} for t in os.listdir("/proc/self/task"))
+
+    with kquant.borrowing((own, other)) as placed:
+        assert placed and kquant._threads == 2
+        assert torch.equal(layer(x), alone)
+        assert pinned_to_other() >= 1, "the kernel's second thread runs on the borrowed core"
+    assert kquant._threads is None, "the thread count is torch's again after the block"
+    with kquant.borrowing(()) as placed:
+        assert not placed and kquant._threads is None  # nothing to borrow: torch's thread count
 
 
 def test_a_gguf_file_that_does_not_hold_the_models_weights_is_refused(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +35,28 @@ BLOCK_INPUTS = {Q4_K: 256, Q6_K: 256, Q8_0: 32}
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
-    mm = ([count, pointer, count, count, pointer, count, pointer, count, count], ctypes.c_int)
-    return compiled.library(SOURCE, FLAGS, "GGUF target weights", {"kquant_mm": mm})
+    many = ([count, pointer, pointer, pointer, count, pointer, count, pointer, count, count], ctypes.c_int)
+    place = ([pointer, count], ctypes.c_int)
+    return compiled.library(SOURCE, FLAGS, "GGUF target weights", {"kquant_mm_many": many, "kquant_place": place})
+
+
+_threads: int | None = None  # the kernel's threads while `borrowing`; None: torch's thread count
+
+
+@contextmanager
+def borrowing(cores: tuple[int, ...]) -> Iterator[bool]:
+    """Inside the block the kernel runs on len(cores) threads, thread i >= 1 pinned to cores[i] (the caller,
+    thread 0, stays on its own cores): a target lends itself the draft's idle core for a forward. Yields whether
+    the threads were placed (False: another OS, or a core refused; the kernel keeps torch's thread count)."""
+    global _threads
+    lib = library()
+    array = (ctypes.c_int * len(cores))(*cores)
+    placed = lib is not None and len(cores) > 1 and lib.kquant_place(ctypes.addressof(array), len(cores)) == 0
+    before, _threads = _threads, len(cores) if placed else _threads
+    try:
+        yield placed
+    finally:
+        _threads = before
 
 
 def takes(kind: int, inputs: int) -> bool:
@@ -141,8 +163,7 @@ def pack(c: Codes) -> torch.Tensor:
     return torch.cat([d, per_tile(c.scales, 16), groups], dim=-1).reshape(tiles, -1).contiguous()
 
 
-def matmul(kind: int, packed: torch.Tensor, out: int, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
-    """rows [M, in] float32 or bfloat16 -> [M, out] in their dtype, through weights `pack` laid out."""
+def _checked(rows: torch.Tensor) -> ctypes.CDLL:
     lib = library()
     if lib is None:
         raise RuntimeError("the GGUF weights' kernel cannot run on this machine (AVX-512 VNNI and a C compiler)")
@@ -150,21 +171,64 @@ def matmul(kind: int, packed: torch.Tensor, out: int, rows: torch.Tensor, thread
         raise ValueError(
             f"the GGUF kernel takes float32 or bfloat16 rows on the CPU, not {rows.dtype} on {rows.device}"
         )
-    rows = rows.contiguous()
-    y = torch.empty(rows.shape[0], out, dtype=rows.dtype)  # [M, out]
-    if not rows.shape[0]:  # a forward whose rows all prefill asks the LM head for none
-        return y
-    bf16 = int(rows.dtype == torch.bfloat16)
-    if lib.kquant_mm(
-        kind, packed.data_ptr(), out, rows.shape[1], rows.data_ptr(), rows.shape[0], y.data_ptr(), bf16, threads
-    ):
-        raise RuntimeError(f"the GGUF kernel refused {rows.shape[0]} rows of {rows.shape[1]} inputs ({NAMES[kind]})")
-    return y
+    return lib
+
+
+class Weights:
+    """Packed weights of one input width that one kernel call multiplies together (a layer's q, k and v): the
+    input is quantized once, and the threads split the tiles of all of them."""
+
+    def __init__(self, kinds: list[int], packed: list[torch.Tensor], outs: list[int]) -> None:
+        if not 1 <= len(kinds) <= 8:
+            raise ValueError(f"one kernel call takes 1 to 8 weights, not {len(kinds)}")
+        self.packed = packed  # held: the pointers below point into them
+        self.outs = outs
+        self._kinds = (ctypes.c_int * len(kinds))(*kinds)
+        self._pointers = (ctypes.c_void_p * len(kinds))(*(p.data_ptr() for p in packed))
+        self._outs = (ctypes.c_int * len(kinds))(*outs)
+
+    def __call__(self, rows: torch.Tensor, threads: int = 1) -> list[torch.Tensor]:
+        """rows [M, in] float32 or bfloat16 -> per weight [M, out] in their dtype."""
+        lib = _checked(rows)
+        rows = rows.contiguous()
+        ys = [torch.empty(rows.shape[0], o, dtype=rows.dtype) for o in self.outs]  # [M, out] each
+        if not rows.shape[0]:  # a forward whose rows all prefill asks the LM head for none
+            return ys
+        into = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
+        bf16 = int(rows.dtype == torch.bfloat16)
+        n, m, width = len(ys), rows.shape[0], rows.shape[1]
+        if lib.kquant_mm_many(
+            n, self._kinds, self._pointers, self._outs, width, rows.data_ptr(), m, into, bf16, threads
+        ):
+            raise RuntimeError(f"the GGUF kernel refused {m} rows of {width} inputs")
+        return ys
+
+
+def matmul(kind: int, packed: torch.Tensor, out: int, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """rows [M, in] float32 or bfloat16 -> [M, out] in their dtype, through weights `pack` laid out."""
+    return Weights([kind], [packed], [out])(rows, threads)[0]
+
+
+@dataclass(frozen=True)
+class Joint:
+    """GGUF Linear layers of one input, computed by one kernel call (`KQuantLinear.joint`)."""
+
+    weights: Weights
+    biases: list[torch.Tensor | None]  # [out] each, or None
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:  # [..., in] -> per layer [..., out]
+        rows = x.reshape(-1, self.in_features)  # [M, in]
+        ys = self.weights(rows, _threads or torch.get_num_threads())
+        return [
+            (y if b is None else y + b).reshape(*x.shape[:-1], y.shape[-1])
+            for y, b in zip(ys, self.biases, strict=True)
+        ]
 
 
 class KQuantLinear(torch.nn.Module):
     """y = x W^T + b with W a GGUF tensor at its stored precision (x: [..., in], float32 or bfloat16), on
-    torch's thread count at the call."""
+    torch's thread count at the call (`borrowing`'s inside its block)."""
 
     batch_invariant = True  # a row's outputs never depend on the call's other rows (`invariant.make_deterministic`)
     packed: torch.Tensor  # [tiles, tile bytes] uint8: `pack`'s layout
@@ -179,11 +243,20 @@ class KQuantLinear(torch.nn.Module):
         self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, self.in_features)  # [M, in]
-        y = matmul(self.kind, self.packed, self.out_features, rows, torch.get_num_threads())
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return self._alone(x)[0]
+
+    @functools.cached_property
+    def _alone(self) -> Joint:
+        return self.joint()
+
+    def joint(self, *others: KQuantLinear) -> Joint:
+        """This layer and `others` (of the same input width) as one kernel call: x -> each one's y. It holds the
+        packed weights as they are now (a buffer replaced later is not seen)."""
+        layers = (self, *others)
+        if any(m.in_features != self.in_features for m in layers):
+            raise ValueError(f"joint layers take one input width: {[m.in_features for m in layers]}")
+        weights = Weights([m.kind for m in layers], [m.packed for m in layers], [m.out_features for m in layers])
+        return Joint(weights, [m.bias for m in layers], self.in_features)
 
     def extra_repr(self) -> str:
         return f"{NAMES[self.kind]}, in_features={self.in_features}, out_features={self.out_features}"

@@ -25,7 +25,10 @@
 //     of high chunk h holds bits 4-5 of u for inputs 16h + b (bits 0-1), 16h + 4 + b (2-3), 16h + 8 + b (4-5)
 //     and 16h + 12 + b (6-7).
 //   Q8_0, per 32 inputs (544 bytes): d[16] fp16, then 8 chunks of 64 bytes: chunk k holds input 4k + b.
+#define _GNU_SOURCE
 #include <immintrin.h>
+#include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -227,12 +230,41 @@ long kquant_tile_bytes(int type, int I) {
     return 0;
 }
 
-// y [M, O] = x [M, I] W^T (x and y float32, or bfloat16 where `bf16`) on `threads` threads, which split the
-// tiles of outputs. Returns 0, or -1 (nothing written) for a format or width not taken, M < 1, or no memory.
-int kquant_mm(int type, const uint8_t* W, int O, int I, const void* x, int M, void* y, int bf16, int threads) {
-    long tile_bytes = kquant_tile_bytes(type, I);
-    if (tile_bytes == 0 || M < 1) return -1;
-    int G = I / GROUP, T = (O + TILE - 1) / TILE;
+// One tile of outputs of y [M, O] = x W^T: tile t of W (format `type`), all M rows
+static void one_tile(int type, const uint8_t* w, int O, int t, const Rows* rows, int M, void* y, int bf16) {
+    int left = O - t * TILE;
+    __mmask16 keep = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    __m512 acc[MAX_ROWS];
+    for (int r0 = 0; r0 < M; r0 += MAX_ROWS) {
+        int n = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
+        switch (n) {
+            case 1: tile_rows(type, w, rows, r0, acc, 1); break;
+            case 2: tile_rows(type, w, rows, r0, acc, 2); break;
+            case 3: tile_rows(type, w, rows, r0, acc, 3); break;
+            case 4: tile_rows(type, w, rows, r0, acc, 4); break;
+            case 5: tile_rows(type, w, rows, r0, acc, 5); break;
+            case 6: tile_rows(type, w, rows, r0, acc, 6); break;
+            case 7: tile_rows(type, w, rows, r0, acc, 7); break;
+            default: tile_rows(type, w, rows, r0, acc, 8); break;
+        }
+        for (int r = 0; r < n; r++) store(acc[r], y, (size_t)(r0 + r) * O + (size_t)t * TILE, keep, bf16);
+    }
+}
+
+// ys[k] [M, Os[k]] = x [M, I] Ws[k]^T for k < n (x and y float32, or bfloat16 where `bf16`): x is quantized
+// once, and `threads` threads split the tiles of outputs of all n weights (q, k and v of a layer in one call).
+// Returns 0, or -1 (nothing written) for a format or width not taken, n outside 1..8, M < 1, or no memory.
+int kquant_mm_many(int n, const int* types, const uint8_t* const* Ws, const int* Os, int I, const void* x, int M,
+                   void* const* ys, int bf16, int threads) {
+    if (n < 1 || n > 8 || M < 1) return -1;
+    long tile_bytes[8];
+    int first[9] = {0};  // first[k]: weight k's first tile in the joint order
+    for (int k = 0; k < n; k++) {
+        tile_bytes[k] = kquant_tile_bytes(types[k], I);
+        if (tile_bytes[k] == 0) return -1;
+        first[k + 1] = first[k] + (Os[k] + TILE - 1) / TILE;
+    }
+    int G = I / GROUP;
     size_t need = (size_t)M * I + sizeof(float) * (size_t)M * G + sizeof(int32_t) * 2 * (size_t)M * G + 64;
     if (need > scratch_bytes) {
         free(scratch);
@@ -244,26 +276,36 @@ int kquant_mm(int type, const uint8_t* W, int O, int I, const void* x, int M, vo
     int32_t* sums = (int32_t*)(xs + (size_t)M * G);
     quantize_rows(x, M, I, bf16, scratch, xs, sums);
     Rows rows = {scratch, xs, sums, I, G};
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int t = 0; t < T; t++) {
-        const uint8_t* w = W + (size_t)t * tile_bytes;
-        int left = O - t * TILE;
-        __mmask16 keep = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512 acc[MAX_ROWS];
-        for (int r0 = 0; r0 < M; r0 += MAX_ROWS) {
-            int n = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
-            switch (n) {
-                case 1: tile_rows(type, w, &rows, r0, acc, 1); break;
-                case 2: tile_rows(type, w, &rows, r0, acc, 2); break;
-                case 3: tile_rows(type, w, &rows, r0, acc, 3); break;
-                case 4: tile_rows(type, w, &rows, r0, acc, 4); break;
-                case 5: tile_rows(type, w, &rows, r0, acc, 5); break;
-                case 6: tile_rows(type, w, &rows, r0, acc, 6); break;
-                case 7: tile_rows(type, w, &rows, r0, acc, 7); break;
-                default: tile_rows(type, w, &rows, r0, acc, 8); break;
-            }
-            for (int r = 0; r < n; r++) store(acc[r], y, (size_t)(r0 + r) * O + (size_t)t * TILE, keep, bf16);
-        }
+    // guided: a thread that the OS preempts (a borrowed core's other work) leaves its share to the others
+#pragma omp parallel for schedule(guided, 8) num_threads(threads > 0 ? threads : 1)
+    for (int j = 0; j < first[n]; j++) {
+        int k = 0;
+        while (j >= first[k + 1]) k++;
+        int t = j - first[k];
+        one_tile(types[k], Ws[k] + (size_t)t * tile_bytes[k], Os[k], t, &rows, M, ys[k], bf16);
     }
     return 0;
+}
+
+// y [M, O] = x [M, I] W^T: `kquant_mm_many` of one weight.
+int kquant_mm(int type, const uint8_t* W, int O, int I, const void* x, int M, void* y, int bf16, int threads) {
+    return kquant_mm_many(1, &type, &W, &O, I, x, M, &y, bf16, threads);
+}
+
+// Pins the threads of a later kquant_mm(threads = n): thread i (i >= 1) to core cores[i]; thread 0, the caller,
+// stays where it is. A thread's team belongs to its calling thread, so the caller pins before each use. Returns 0,
+// or -1 where a core was refused (the threads run where they were).
+int kquant_place(const int* cores, int n) {
+    int failed = 0;
+#pragma omp parallel num_threads(n) reduction(| : failed)
+    {
+        int i = omp_get_thread_num();
+        if (i > 0) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cores[i], &set);
+            failed |= sched_setaffinity(0, sizeof set, &set) != 0;
+        }
+    }
+    return failed ? -1 : 0;
 }
