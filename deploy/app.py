@@ -22,6 +22,7 @@ from actors.draft_worker import DraftWorker
 from actors.router import Router
 from actors.target_replica import TargetReplica
 from deploy.config import AppConfig
+from deploy.front import exposure
 from deploy.ingress import Ingress
 from modelstore import resolve
 
@@ -33,6 +34,8 @@ _QUIET = {"enable_access_log": False}
 
 
 def build_app(config: AppConfig) -> Application:
+    if config.front_door is not None:  # (without one, the proxies serve no route of ours)
+        exposure.check(config.front_door, exposure.running_serve())  # no open door by accident
     resolver = functools.partial(resolve, cache_dir=config.model_cache_dir)
     draft_cfg = config.draft_worker()
     draft = None

@@ -83,6 +83,12 @@ class FrontDoorConfig(BaseModel):
         description="The environment variable the ingress replicas read the API key from at start (a Kubernetes "
         "Secret mapped to it, or `export` before `ray start`); a replica where it is unset or empty fails to start.",
     )
+    open: bool = Field(
+        default=False,
+        description="Serve without an API key although other machines can reach the server (http_options.host "
+        "other than loopback, or gRPC, which Serve binds on every interface): for a network of its own behind a "
+        "gateway that authenticates. False: such a start is refused with the reason (deploy/front/exposure.py).",
+    )
     context_window: int | None = Field(
         default=None,
         ge=2,

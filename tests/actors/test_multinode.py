@@ -37,7 +37,8 @@ def cluster(shm_op_built: None) -> Iterator[dict[str, str]]:
         draft = nodes.add_node(num_cpus=1, resources={"draft_node": 1})
         target = nodes.add_node(num_cpus=2, resources={"target_node": 1})
         nodes.wait_for_nodes()
-        ray.init(address=nodes.address, runtime_env={"env_vars": WORKER_ENV})
+        # cluster.yaml's front door reads its key from SPECSERVE_API_KEY (the handle calls here need none)
+        ray.init(address=nodes.address, runtime_env={"env_vars": {**WORKER_ENV, "SPECSERVE_API_KEY": "sk-test"}})
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
         yield {"head": nodes.head_node.node_id, "draft": draft.node_id, "target": target.node_id}
     finally:

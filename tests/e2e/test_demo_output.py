@@ -24,7 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_demo_prints_its_answer_and_report_and_no_ray_lines(tmp_path: Path) -> None:
     config = yaml.safe_load((REPO / "deploy" / "smoke.yaml").read_text())
-    config["grpc_options"]["port"] = free_port()
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "deploy.local.cli", "serve", "--config", str(path), "--max-tokens", "16"]
@@ -41,7 +40,6 @@ def test_sigterm_stops_the_server_and_every_process_it_started(tmp_path: Path) -
     """`serve --keep-running` stopped by SIGTERM, as a service manager stops it: it exits, and no process of the
     run is left (before, Ray's dashboard and runtime-env agents outlived it)."""
     config = yaml.safe_load((REPO / "deploy" / "smoke.yaml").read_text())
-    config["grpc_options"]["port"] = free_port()
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()

@@ -46,7 +46,9 @@ class Head:
         self.ports = {name: free_port() for name in ("gcs", "dashboard", "agent", "client", "metrics", "http", "grpc")}
         self.dashboard = f"http://127.0.0.1:{self.ports['dashboard']}"
         self.token = uuid.uuid4().hex
+        self.api_key = f"sk-{uuid.uuid4().hex}"  # cluster.yaml's front_door.api_key_env reads it on every node
         self.env = {**os.environ, **WORKER_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+        self.env["SPECSERVE_API_KEY"] = self.api_key
         self.log = (root / "ray-start.log").open("w")
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
         command = ["ray", "start", "--head", "--block", "--disable-usage-stats", f"--temp-dir={self.temp_dir}"]
@@ -123,35 +125,48 @@ def app_status(head: Head) -> str:
 
 
 def test_serve_deploy_runs_and_answers_over_http_and_grpc(head: Head, tmp_path: Path) -> None:
+    """cluster.yaml serves gRPC (every interface) with the key from $SPECSERVE_API_KEY; the same file with no key
+    is refused at deploy, naming the reason and the fix."""
     assert head.dashboard_status(token=None) == 401, "token authentication must be on"
     target, draft, _ = save_tiny_pair(tmp_path)
     config: dict[str, Any] = deploy_yaml("cluster.yaml", small_cpu_args(target, draft, MODEL_NAME))
     config["http_options"] = {"host": "127.0.0.1", "port": head.ports["http"]}
     config["grpc_options"]["port"] = head.ports["grpc"]
     path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(config))
+    open_door = yaml.safe_load(yaml.safe_dump(config))
+    del open_door["applications"][0]["args"]["front_door"]["api_key_env"]
+    path.write_text(yaml.safe_dump(open_door))
+    assert head.serve("deploy", str(path)).returncode == 0  # accepted, then built by the controller
+    assert wait_until(lambda: app_status(head) == "DEPLOY_FAILED", 120, every_s=2), app_status(head)
+    status = head.serve("status").stdout
+    assert "refusing to serve without an API key" in status and "gRPC listens on every interface" in status, status
 
+    path.write_text(yaml.safe_dump(config))
     deployed = head.serve("deploy", str(path))
     assert deployed.returncode == 0, deployed.stderr
     assert wait_until(lambda: app_status(head) == "RUNNING", 300, every_s=3), app_status(head)
 
     expected = reference(tmp_path, PROMPT)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{head.ports['http']}/v1", api_key="unused", max_retries=0)
+    base_url = f"http://127.0.0.1:{head.ports['http']}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=base_url, api_key=head.api_key, max_retries=0)
     done = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
     assert done.choices[0].model_extra["token_ids"] == expected
-    assert asyncio.run(grpc_generate(f"127.0.0.1:{head.ports['grpc']}")) == expected
+    assert asyncio.run(grpc_generate(f"127.0.0.1:{head.ports['grpc']}", head.api_key)) == expected
 
     shutdown = head.serve("shutdown", "-y")
     assert shutdown.returncode == 0, shutdown.stderr
     assert wait_until(lambda: app_status(head) != "RUNNING", 60, every_s=2)
 
 
-async def grpc_generate(address: str) -> list[int]:
+async def grpc_generate(address: str, key: str) -> list[int]:
     request = pb.GenerateRequest(
         model=MODEL_NAME,
         token_ids=pb.TokenIds(ids=PROMPT),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True),
     )
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await pb_grpc.SpecServeStub(channel).Generate(request, metadata=(("application", APP),))
+        metadata = (("application", APP), ("authorization", f"Bearer {key}"))
+        reply = await pb_grpc.SpecServeStub(channel).Generate(request, metadata=metadata)
     return list(reply.token_ids)

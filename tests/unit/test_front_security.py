@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from starlette.types import Message, Receive, Scope, Send
 
+from deploy.front import exposure
 from deploy.front.frontdoor import FrontDoorConfig, load_front_door
 from deploy.front.proxy_guard import StreamGuard
 from tests.front_router import (
@@ -149,11 +150,36 @@ def test_the_proxys_hint_headers_are_not_taken_from_clients() -> None:
     assert b"x-request-disconnect-disabled" not in seen and b"x-request-timeout-seconds" not in seen
 
 
-def test_local_yaml_serves_http_on_loopback_and_no_open_grpc() -> None:
+@pytest.mark.parametrize("name", ["local.yaml", "smoke.yaml", "cluster.yaml", "cluster-gpu.yaml"])
+def test_every_shipped_yaml_binds_loopback_or_requires_a_key(name: str) -> None:
+    """local.yaml and smoke.yaml (one machine): HTTP on loopback, no gRPC (Serve's gRPC proxy binds every
+    interface); the cluster YAMLs, reachable from other machines, read their key from the environment."""
     import yaml
 
-    shipped = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
-    assert shipped["http_options"]["host"] == "127.0.0.1"
-    # Serve's gRPC proxy binds every interface: off unless a key is set
-    front = shipped["applications"][0]["args"]["front_door"]
-    assert "grpc_options" not in shipped or front.get("api_key_env") or front.get("api_key")
+    shipped = yaml.safe_load((REPO / "deploy" / name).read_text())
+    front = FrontDoorConfig.model_validate(shipped["applications"][0]["args"]["front_door"])
+    why = exposure.reachable(
+        (shipped.get("http_options") or {}).get("host"),
+        (shipped.get("grpc_options") or {}).get("grpc_servicer_functions", []),
+    )
+    exposure.check(front, why)  # the shipped configs start
+    assert not front.open
+    if name in ("local.yaml", "smoke.yaml"):
+        assert shipped["http_options"]["host"] == "127.0.0.1" and not why
+    else:
+        assert why and front.api_key_env == "SPECSERVE_API_KEY"
+
+
+def test_a_server_other_machines_reach_without_a_key_refuses_to_start() -> None:
+    """An HTTP bind beyond loopback, or gRPC at all, needs a key, or `open: true` said on purpose."""
+    assert exposure.reachable("127.0.0.1", []) == [] and exposure.reachable("::1", []) == []
+    assert exposure.reachable("localhost", []) == []
+    why = exposure.reachable("0.0.0.0", ["deploy.front.grpc_decoding.add_servicer"])
+    assert len(why) == 2 and "0.0.0.0" in why[0] and "gRPC" in why[1]
+    assert exposure.reachable("specserve.internal", []), "a name may resolve anywhere"
+    bare = FrontDoorConfig(served_model_name=MODEL_NAME)
+    with pytest.raises(ValueError, match=r"refusing to serve without an API key .*HTTP listens on 0\.0\.0\.0"):
+        exposure.check(bare, why)
+    exposure.check(bare, [])  # loopback: no key needed
+    exposure.check(FrontDoorConfig(served_model_name=MODEL_NAME, api_key_env="SPECSERVE_API_KEY"), why)
+    exposure.check(FrontDoorConfig(served_model_name=MODEL_NAME, open=True), why)
