@@ -148,8 +148,8 @@ def _agreement(spec: str, plain: str) -> str:
     )
 
 
-def _logical_cpus(args: dict[str, Any]) -> int:
-    """Enough logical CPUs for the config's starting replicas (each sets its own torch threads)."""
+def reserved_cpus(args: dict[str, Any]) -> float:
+    """Logical CPUs the config's starting replicas reserve (each sets its own torch threads)."""
     from deploy.config import AppConfig
 
     config = AppConfig.model_validate(args)
@@ -162,7 +162,12 @@ def _logical_cpus(args: dict[str, Any]) -> int:
     need += (target.shard_num_cpus * config.tp_size + target.replica_num_cpus) * start(target)
     if config.draft_model is not None:
         need += draft.num_cpus * start(draft)
-    return max(os.cpu_count() or 1, math.ceil(need))
+    return need
+
+
+def _logical_cpus(args: dict[str, Any]) -> int:
+    """Enough logical CPUs for the config's starting replicas, and at least this machine's cores."""
+    return max(os.cpu_count() or 1, math.ceil(reserved_cpus(args)))
 
 
 def _session_logs() -> str:

@@ -174,3 +174,13 @@ def test_int4_and_auto_load_the_draft_in_bfloat16_on_cpu_only(folders: tuple[Pat
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     auto = load_lm(ModelConfig(path=str(folders[1]), quantize="auto"))
     assert any(isinstance(m, Int4Linear) for m in auto.modules()) == native_bf16("cpu")
+
+
+def test_local_yaml_fits_the_two_core_machine_it_is_written_for() -> None:
+    """`serve run deploy/local.yaml` starts a Ray with this machine's cores as logical CPUs: the YAML's starting
+    replicas reserve at most 2 of them, so the target replica is scheduled on a 2-core laptop (it reserved 2.6
+    and never started there)."""
+    from deploy.local.demo import app_block, reserved_cpus
+
+    _, args = app_block(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml")
+    assert reserved_cpus(args) <= 2.0
