@@ -190,6 +190,21 @@ class TargetSettings(BaseModel):
         le=86_400,
         description="Drop a lane group's KV cache after this long unused (a router died).",
     )
+    verify_deadline_factor: float = Field(
+        default=20.0,
+        ge=1.0,
+        le=10_000,
+        description="A verify forward that runs this many times its expected seconds (its tokens at the seconds "
+        "per token this replica measured) is hung: the replica's health check fails, Serve replaces it, and its "
+        "lanes retry on the new one (actors/verify_deadline.py).",
+    )
+    verify_deadline_min_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="The least deadline of a verify forward (before any is measured, the first forwards' warm-up "
+        "and compiles; a machine busy beside it).",
+    )
     prefill_chunk_tokens: int | None = Field(
         default=256,
         ge=1,

@@ -14,7 +14,8 @@ shards must see calls in the same order, and a forward uses the whole model anyw
 Health is checked, not assumed: Serve's `check_health` (every `health_check_period_s`) and the
 front doors' readiness (`ping`) ping every shard with a deadline, so a shard killed from outside
 Ray (SIGKILL, the OOM killer) makes the replica unhealthy at the next check, with no request in
-flight, and Serve replaces it.
+flight, and Serve replaces it; so does a verify forward that runs past its deadline, sized to its
+tokens by what the replica measured (actors/verify_deadline.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from actors.metrics import mark_replica_up
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.target_shard import HEALTH_GROUP, TargetShard
+from actors.verify_deadline import VerifyDeadline, forward_tokens
 from actors.wire import Reserved, TargetInfo, Verified, WireVerifyItem
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ logger = logging.getLogger(__name__)
 # thread, beside any verify, so only a hung or unreachable process takes this long; Serve's own
 # deadline for check_health (health_check_timeout_s) is 30 s by default.
 SHARD_PING_TIMEOUT_S = 10.0
+
+SHARD_NAME = "specserve-target-shard"  # shard actors are named SHARD_NAME:<replica actor id>:<rank>
 
 # How a call sees a lost shard: its actor died (SIGKILL, a crash, its node), or Ray's memory monitor
 # killed it (OutOfMemoryError, the death cause every later call to that actor gets too).
@@ -79,8 +83,10 @@ class RayShards:
         # `ping`'s own thread, answered beside a verify (declared here: `.options()` cannot set it; the
         # cast because ray.remote's typed overloads leave concurrency_groups out).
         remote: Any = cast(Any, ray.remote)(concurrency_groups={HEALTH_GROUP: 1})(TargetShard)
+        owner = ray.get_runtime_context().get_actor_id() or "driver"
         self.actors: list[Any] = [
             remote.options(
+                name=f"{SHARD_NAME}:{owner}:{rank}",  # findable (`ray list actors`, fault tests); gone with the replica
                 num_cpus=config.shard_num_cpus,
                 num_gpus=config.shard_num_gpus,
                 scheduling_strategy=None if pg is None else PlacementGroupSchedulingStrategy(pg, rank),
@@ -104,6 +110,7 @@ class TargetReplica:
         self._waiting = 0  # verify calls waiting for the lock
         self._used: dict[str, float] = {}  # group key -> last use (monotonic)
         self._busy = BusyMeter()
+        self._deadline = VerifyDeadline(config.verify_deadline_factor, config.verify_deadline_min_s)
         self._failed: BaseException | None = None
         self._calls = 0
         self._disagreements = 0
@@ -139,7 +146,13 @@ class TargetReplica:
         try:
             if self._failed is not None:  # checked under the lock: a call queued behind the lost forward too
                 raise ray.exceptions.ActorUnavailableError(f"lost a shard ({type(self._failed).__name__})", None)
-            results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key), borrow)
+            self._deadline.start(forward_tokens(items, self.config.prefill_chunk_tokens))
+            try:
+                results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key), borrow)
+            except BaseException:
+                self._deadline.stop(None)
+                raise
+            self._deadline.stop(results[0][1].seconds)
         except Exception as e:
             if not isinstance(e, SHARD_LOST):
                 # A forward that failed half-way leaves the group's caches mid-speculation: forget them on
@@ -218,6 +231,8 @@ class TargetReplica:
         """
         if self._failed is not None:
             raise RuntimeError(f"a target shard failed: {type(self._failed).__name__}")
+        if (hung := self._deadline.overdue()) is not None:
+            raise RuntimeError(f"hung: {hung}")
         try:
             await asyncio.wait_for(self.shards.call("ping"), SHARD_PING_TIMEOUT_S)
         except SHARD_LOST as e:

@@ -1,4 +1,4 @@
-"""Replicas killed mid-stream on local Ray: the client's stream completes with the target's own output.
+"""Replicas killed or hung mid-stream on local Ray: the client's stream completes with the target's own output.
 
 - A draft replica `ray.kill`ed: the lane decodes without speculation (greedy output still equals
   the target alone), and speculates again once Serve has started a replacement.
@@ -6,17 +6,21 @@
   lane's verify retries land on the new replica, which re-prefills from the committed tokens the
   call carries; greedy output equals the target alone and a seeded sampled stream equals the same
   request served without the fault (randomness keyed by (seed, position)).
+- A target shard's verify hung (its health thread still answering): past the forward's deadline the
+  replica's health check fails, and the stream goes on on the replacement as for a kill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from ray.serve.handle import DeploymentHandle
 
+from actors.target_replica import SHARD_NAME
 from deploy.config import AppConfig
 from tests.actors.conftest import TinyPair, hf_greedy
 from tests.actors.serve_helpers import deployed, local_ray, replicas, wait_until
@@ -40,7 +44,8 @@ def app(tiny_pair: TinyPair) -> Iterator[DeploymentHandle]:
             # and whether speculation resumes after the fault could not be seen.
             "speculation": {"load_adaptive": False},
             "draft_pool": {"num_cpus": 0.5},
-            "target_pool": {"shard_num_cpus": 0.5, "health_check_period_s": 1.0},
+            # a hung verify is found 3 s on (the tiny model's forwards take milliseconds)
+            "target_pool": {"shard_num_cpus": 0.5, "health_check_period_s": 1.0, "verify_deadline_min_s": 3.0},
             "router_pool": {"num_cpus": 0.25, "router": {"draft_backoff_s": 0.5, "draft_timeout_s": 0.5}},
         }
     )
@@ -111,3 +116,41 @@ def test_target_shard_killed_mid_stream(app: DeploymentHandle, tiny_pair: TinyPa
     assert chunks[-1]["finish_reason"] == "length"
     assert len(stats["verify_calls"]) == 2 and killed in stats["verify_calls"], "the stream moved replicas"
     assert wait_until(lambda: replaced("target", killed), timeout_s=60)
+
+
+def test_a_hung_verify_replaces_its_replica_and_the_stream_completes(
+    app: DeploymentHandle, tiny_pair: TinyPair
+) -> None:
+    """A verify forward that never returns (its shard's health thread still answering): past its deadline, sized
+    to its tokens by the replica's measured cost (verify_deadline_min_s 3 here), the replica's health check
+    fails, Serve replaces it, and the stream goes on there with the target's own tokens."""
+    import ray
+
+    def hang_verifies(shard: Any, seconds: float) -> None:
+        """Inside the shard's process (`__ray_call__`; nested, so sent by value): every later verify forward sleeps
+        first, as a forward that never returns would, while the shard's health thread keeps answering pings."""
+        import time
+
+        caches = shard._verifiers
+        get = caches.get
+
+        def hung(key: str) -> Any:
+            time.sleep(seconds)
+            return get(key)
+
+        caches.get = hung
+
+    (shard,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"{SHARD_NAME}:")]
+    handle = ray.get_actor(shard["name"], namespace=shard["namespace"])
+    old = str(describe("target")["replica"])
+    app.stats.remote(reset=True).result()
+    started = time.monotonic()
+    chunks = stream_with_fault(app, params(LONG), lambda: handle.__ray_call__.remote(hang_verifies, 3600))
+    seconds = time.monotonic() - started
+    stats = app.stats.remote(reset=True).result()
+    print(f"{seconds:.1f} s, verify calls by replica {stats['verify_calls']}")
+    assert tokens_of(chunks) == hf_greedy(tiny_pair.target, PROMPT, LONG)
+    assert chunks[-1]["finish_reason"] == "length"
+    assert old in stats["verify_calls"] and len(stats["verify_calls"]) == 2, "the stream moved replicas"
+    assert seconds < 60, "every stream completes within 60 s of the hang"
+    assert wait_until(lambda: replaced("target", old), timeout_s=60)
