@@ -30,7 +30,7 @@ from actors.placement import where
 from actors.wire import Stopwatch, TargetInfo, WireVerifyItem, Work
 from speculative.drafters.heads import TreeHeads
 from speculative.engine.captured import TREE_ROOM, graphs_on, runner_for
-from speculative.engine.cpu import kquant
+from speculative.engine.cores import borrowing
 from speculative.engine.invariant import make_deterministic
 from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
 from speculative.engine.kv_cache import preallocated
@@ -124,7 +124,7 @@ class TargetShard:
     ) -> tuple[list[Verdict], Work]:
         """`borrow`: no draft call runs beside this one, so the GGUF kernel may use `borrow_cores` too."""
         assert self._verifiers is not None, "load() first"
-        with kquant.borrowing(self._borrow if borrow else ()), Stopwatch() as sw:
+        with borrowing(self._borrow if borrow else ()), Stopwatch() as sw:
             self._verifiers.drop(drop)
             verifier = self._verifiers.get(cache_key)
             if release:

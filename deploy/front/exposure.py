@@ -56,8 +56,11 @@ def check(front: FrontDoorConfig, why: list[str]) -> None:
 def running_serve() -> list[str]:
     """`reachable` for the Serve instance this process is connected to; [] where none runs yet (`serve.run`
     then starts it on its defaults: HTTP on 127.0.0.1, no gRPC)."""
+    import ray
     from ray.serve.context import _get_global_client
 
+    if not ray.is_initialized():  # (Serve's client would start a Ray of its own here)
+        return []
     try:
         client = _get_global_client(raise_if_no_controller_running=False)
     except Exception as e:

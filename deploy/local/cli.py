@@ -1,6 +1,9 @@
 """`specserve` command line.
 
-specserve generate --prompt "..."   # in-process speculative decoding, streamed to the terminal
+specserve serve                                  # deploy/local.yaml: the server, one request, its report
+specserve serve qwen-1.5b --draft qwen-0.5b      # the same settings for other models (vLLM's `vllm serve MODEL`)
+specserve serve smollm2-135m --drafter lookup --keep-running
+specserve generate --prompt "..."                # in-process speculative decoding, streamed to the terminal
 """
 
 from __future__ import annotations
@@ -47,13 +50,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """What `specserve serve MODEL [--draft D] [--drafter K] [--tp N]` changes in the config's application args."""
+    out: dict[str, object] = {}
+    if args.model is not None:
+        out |= {"target_model": args.model, "front_door": {"served_model_name": args.model}}
+    if args.drafter is not None:
+        out["drafter"] = {"kind": args.drafter}
+        if args.drafter != "model":
+            out["draft_model"] = None
+    if args.draft is not None:
+        out["draft_model"] = args.draft
+    if args.tp is not None:
+        out["tp_size"] = args.tp
+    return out
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from deploy.local.demo import DEFAULT_CONFIG, serve_demo
 
     config = Path(args.config) if args.config else DEFAULT_CONFIG
-    return serve_demo(config, args.prompt, args.max_tokens, args.keep_running, args.port, args.metrics_port)
+    overrides = model_overrides(args)
+    return serve_demo(config, args.prompt, args.max_tokens, args.keep_running, args.port, args.metrics_port, overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,23 +82,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="speculative decoding in this process, streamed")
     gen.add_argument("--target", default="qwen-1.5b", help="registry name, local HF folder or hub id")
     gen.add_argument("--draft", default="qwen-0.5b", help="registry name, local HF folder or hub id")
-    gen.add_argument("--drafter", choices=["model", "lookup", "none"], default="model")
-    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--max-depth", type=int, default=4)
-    gen.add_argument("--tree-width", type=int, default=1)
-    gen.add_argument("--tree-nodes", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--drafter", choices=["model", "lookup", "none"], default="model", help="what drafts")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="the models' dtype")
+    gen.add_argument("--prompt", required=True, help="the user message (the target's chat template applied)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="new tokens at most")
+    gen.add_argument("--max-depth", type=int, default=4, help="draft tokens along any path at most")
+    gen.add_argument("--tree-width", type=int, default=1, help="draft branches per node (1: a chain)")
+    gen.add_argument("--tree-nodes", type=int, default=16, help="draft tree nodes at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling seed")
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="the server on an embedded local Ray, answering one streamed request")
+    srv = sub.add_parser(
+        "serve",
+        help="the server on an embedded local Ray: one streamed request and its report, then serving on request",
+        description="Serve a config's application on this machine (Ray embedded), stream one request with and "
+        "without speculation and report both; --keep-running serves on. A MODEL (and --draft, --drafter, --tp) "
+        "replaces the config's models and keeps its other settings.",
+    )
+    srv.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="the target: a registry name, local HF folder or hub id (default: the config's)",
+    )
+    srv.add_argument(
+        "--draft", default=None, help="the draft model (default: the config's; none with --drafter lookup)"
+    )
+    srv.add_argument(
+        "--drafter", choices=["model", "lookup", "none"], default=None, help="what drafts (default: the config's)"
+    )
+    srv.add_argument("--tp", type=int, default=None, help="tensor-parallel shards per target replica")
     srv.add_argument("--config", default=None, help="a Serve YAML (default: deploy/local.yaml)")
-    srv.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
-    srv.add_argument("--max-tokens", type=int, default=96)
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--prompt",
+        default="Write a Python function that checks whether a number is prime.",
+        help="the request streamed at start",
+    )
+    srv.add_argument("--max-tokens", type=int, default=96, help="its new tokens")
+    srv.add_argument("--port", type=int, default=8000, help="the OpenAI HTTP port (127.0.0.1)")
     srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint (/metrics)")
-    srv.add_argument("--keep-running", action="store_true", help="keep serving after the demo request")
+    srv.add_argument("--keep-running", action="store_true", help="keep serving after the request, until Ctrl-C")
     srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -37,6 +37,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "local.yaml"  # deploy/lo
 METRICS_PORT = 8080  # Prometheus endpoint of Ray's metrics agent: the port the cluster and k8s/ use
 
 
+def merged_args(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` merged in, nested dicts key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged_args(out[key], value) if nested else value
+    return out
+
+
 def app_block(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the Serve config's grpc_options, the first application's args)."""
     data = yaml.safe_load(config_path.read_text())
@@ -304,8 +313,12 @@ def serve_demo(
     keep_running: bool,
     port: int = 8000,
     metrics_port: int = METRICS_PORT,
+    overrides: dict[str, Any] | None = None,
 ) -> int:
+    """`specserve serve`: the application of `config_path` (its args with `overrides` merged in, nested dicts key
+    by key) on an embedded Ray, one request streamed with and without speculation, their report."""
     grpc_options, args = app_block(config_path)
+    args = merged_args(args, overrides or {})
     for key in ("target_model", "draft_model"):
         if args.get(key) in REGISTRY:
             fetch(args[key])

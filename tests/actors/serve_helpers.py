@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deploy.app import build_app
 from deploy.config import AppConfig
+from deploy.local.demo import merged_args
 
 REPO = str(Path(__file__).resolve().parents[2])
 APP = "specserve"
@@ -29,12 +30,7 @@ APP = "specserve"
 WORKER_ENV = {"PYTHONPATH": REPO, "TOKENIZERS_PARALLELISM": "false"}
 
 
-def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `overrides` merged in, nested dicts key by key."""
-    out = dict(base)
-    for key, value in overrides.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+merged = merged_args  # `base` with `overrides` merged in, nested dicts key by key
 
 
 def deploy_yaml(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +196,9 @@ def small_cpu_args(target: Path, draft: Path, served_model_name: str) -> dict[st
         "draft_model": str(draft),
         "dtype": "float32",
         "torch_threads": 1,
-        "front_door": {"served_model_name": served_model_name},
+        # open: the tests' Serve proxies listen on loopback, but gRPC's on every interface (deploy/front/exposure.py)
+        # of a test machine of their own
+        "front_door": {"served_model_name": served_model_name, "open": True},
         "draft_pool": {"num_cpus": 0.5},
         "target_pool": {"shard_num_cpus": 0.5},
         "router_pool": {"num_cpus": 0.25},

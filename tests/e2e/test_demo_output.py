@@ -1,8 +1,9 @@
 """`make run`'s demo (`python -m deploy.local.cli serve`) prints the answer and its report, and nothing of Ray's.
 
-Run as a user runs it, in its own process, on deploy/smoke.yaml (SmolLM2-135M, prompt lookup: the
-quickest real deployment); only its ports are moved. Ray reports an actor killed mid-call (Serve's
-controller, at shutdown) on the driver's stdout: such lines belong in Ray's log folder.
+Run as a user runs it, in its own process: `specserve serve smollm2-135m --drafter lookup` (SmolLM2-135M,
+prompt lookup: the quickest real deployment), and on deploy/smoke.yaml; only its ports are moved. Ray reports
+an actor killed mid-call (Serve's controller, at shutdown) on the driver's stdout: such lines belong in Ray's
+log folder.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_demo_prints_its_answer_and_report_and_no_ray_lines(tmp_path: Path) -> None:
-    config = yaml.safe_load((REPO / "deploy" / "smoke.yaml").read_text())
-    path = tmp_path / "smoke.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "deploy.local.cli", "serve", "--config", str(path), "--max-tokens", "16"]
+def test_the_demo_prints_its_answer_and_report_and_no_ray_lines() -> None:
+    """The one-liner form, `specserve serve MODEL --drafter lookup`: deploy/local.yaml's settings with the
+    model replaced (SmolLM2, whose quickest deployment drafts by prompt lookup alone)."""
+    command = [sys.executable, "-m", "deploy.local.cli", "serve", "smollm2-135m", "--drafter", "lookup"]
+    command += ["--max-tokens", "16"]
     command += ["--port", str(free_port()), "--metrics-port", str(free_port())]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -134,7 +134,8 @@ def test_serve_deploy_runs_and_answers_over_http_and_grpc(head: Head, tmp_path: 
     config["grpc_options"]["port"] = head.ports["grpc"]
     path = tmp_path / "cluster.yaml"
     open_door = yaml.safe_load(yaml.safe_dump(config))
-    del open_door["applications"][0]["args"]["front_door"]["api_key_env"]
+    for key in ("api_key_env", "open"):  # as a user's file without a key would be
+        open_door["applications"][0]["args"]["front_door"].pop(key, None)
     path.write_text(yaml.safe_dump(open_door))
     assert head.serve("deploy", str(path)).returncode == 0  # accepted, then built by the controller
     assert wait_until(lambda: app_status(head) == "DEPLOY_FAILED", 120, every_s=2), app_status(head)

@@ -77,7 +77,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             "draft_pool": {"num_cpus": 0.5},
             "target_pool": {"shard_num_cpus": 0.5},
             "router_pool": {"num_cpus": 0.25, "router": {"max_active_sequences": MAX_ACTIVE}},
-            "front_door": {"served_model_name": MODEL_NAME, "retry_after_s": RETRY_AFTER},
+            "front_door": {"served_model_name": MODEL_NAME, "open": True, "retry_after_s": RETRY_AFTER},
         }
     )
     http_port, grpc_port = free_port(), free_port()

@@ -64,7 +64,7 @@ class App:
                     "router": {"max_stream_s": MAX_STREAM_S},
                     "autoscaling": {"min_replicas": routers, "max_replicas": routers},
                 },
-                "front_door": {"served_model_name": MODEL_NAME, "context_window": WINDOW},
+                "front_door": {"served_model_name": MODEL_NAME, "open": True, "context_window": WINDOW},
             }
         )
 

@@ -183,3 +183,7 @@ def test_a_server_other_machines_reach_without_a_key_refuses_to_start() -> None:
     exposure.check(bare, [])  # loopback: no key needed
     exposure.check(FrontDoorConfig(served_model_name=MODEL_NAME, api_key_env="SPECSERVE_API_KEY"), why)
     exposure.check(FrontDoorConfig(served_model_name=MODEL_NAME, open=True), why)
+    import ray
+
+    if not ray.is_initialized():  # building an app with no Ray up reads no binds, and starts no Ray
+        assert exposure.running_serve() == [] and not ray.is_initialized()
