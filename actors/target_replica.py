@@ -147,12 +147,12 @@ class TargetReplica:
             if self._failed is not None:  # checked under the lock: a call queued behind the lost forward too
                 raise ray.exceptions.ActorUnavailableError(f"lost a shard ({type(self._failed).__name__})", None)
             self._deadline.start(forward_tokens(items, self.config.prefill_chunk_tokens))
+            seconds = None  # measured only where the forward answered
             try:
                 results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key), borrow)
-            except BaseException:
-                self._deadline.stop(None)
-                raise
-            self._deadline.stop(results[0][1].seconds)
+                seconds = results[0][1].seconds
+            finally:
+                self._deadline.stop(seconds)
         except Exception as e:
             if not isinstance(e, SHARD_LOST):
                 # A forward that failed half-way leaves the group's caches mid-speculation: forget them on

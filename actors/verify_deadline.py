@@ -12,6 +12,7 @@ the replacement, which re-prefills from the tokens they carry.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.wire import WireVerifyItem
@@ -35,14 +36,14 @@ class VerifyDeadline:
     least_s: float
     per_token_s: float | None = None  # measured; None before the first forward
     running: tuple[float, float, int] | None = None  # (start, deadline s, tokens) of the forward in flight
-    clock: object = field(default=time.monotonic, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def deadline_s(self, tokens: int) -> float:
         expected = 0.0 if self.per_token_s is None else self.per_token_s * max(tokens, 1)
         return max(self.least_s, self.factor * expected)
 
     def start(self, tokens: int) -> None:
-        self.running = (self._now(), self.deadline_s(tokens), tokens)
+        self.running = (self.clock(), self.deadline_s(tokens), tokens)
 
     def stop(self, seconds: float | None) -> None:
         """The forward ended; `seconds` its compute time (None: it failed, nothing measured)."""
@@ -56,10 +57,7 @@ class VerifyDeadline:
         if self.running is None:
             return None
         start, deadline, tokens = self.running
-        ran = self._now() - start
+        ran = self.clock() - start
         if ran <= deadline:
             return None
         return f"a verify forward has run {ran:.1f} s, past its deadline of {deadline:.1f} s ({tokens} tokens)"
-
-    def _now(self) -> float:
-        return float(self.clock())  # type: ignore[operator]

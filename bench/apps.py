@@ -10,7 +10,7 @@ from typing import Any
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.local.demo import Streamed, app_block, stop_local_ray, stream_chat, wait_ready
+from deploy.local.demo import Streamed, app_block, merged_args, stop_local_ray, stream_chat, wait_ready
 
 REPO = str(Path(__file__).resolve().parents[1])  # the replicas' PYTHONPATH: they import this repository
 
@@ -20,13 +20,7 @@ def shipped(config: Path | str) -> dict[str, Any]:
     return app_block(Path(config))[1]
 
 
-def variant(args: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """`args` with `changes` laid over it: nested blocks merge key by key, any other value replaces."""
-    out = dict(args)
-    for key, value in changes.items():
-        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = variant(out[key], value) if nested else value
-    return out
+variant = merged_args  # `args` with changes laid over it: nested blocks merge key by key, any other value replaces
 
 
 def served_name(args: dict[str, Any]) -> str:

@@ -46,6 +46,14 @@ def merged_args(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
     return out
 
 
+def with_overrides(args: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """An application's `args` with `specserve serve`'s `overrides` merged in; a `drafter` block replaces the
+    config's (its fields belong to its kind: a lookup drafter takes no tree width)."""
+    if "drafter" in overrides:
+        args = {k: v for k, v in args.items() if k != "drafter"}
+    return merged_args(args, overrides)
+
+
 def app_block(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the Serve config's grpc_options, the first application's args)."""
     data = yaml.safe_load(config_path.read_text())
@@ -316,9 +324,10 @@ def serve_demo(
     overrides: dict[str, Any] | None = None,
 ) -> int:
     """`specserve serve`: the application of `config_path` (its args with `overrides` merged in, nested dicts key
-    by key) on an embedded Ray, one request streamed with and without speculation, their report."""
+    by key; a `drafter` block replaces the config's) on an embedded Ray, one request streamed with and without
+    speculation, their report."""
     grpc_options, args = app_block(config_path)
-    args = merged_args(args, overrides or {})
+    args = with_overrides(args, overrides or {})
     for key in ("target_model", "draft_model"):
         if args.get(key) in REGISTRY:
             fetch(args[key])

@@ -184,3 +184,23 @@ def test_local_yaml_fits_the_two_core_machine_it_is_written_for() -> None:
 
     _, args = app_block(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml")
     assert reserved_cpus(args) <= 2.0
+
+
+def test_specserve_serve_model_flags_replace_the_configs_models_and_drafter() -> None:
+    """`specserve serve MODEL --drafter lookup` over a config whose model drafter has tree fields: the target and
+    served name are MODEL, no draft model, and the drafter block is replaced (merged, the tree fields would make
+    a lookup drafter invalid)."""
+    import argparse
+
+    from deploy.local.cli import model_overrides
+    from deploy.local.demo import app_block, merged_args, with_overrides
+
+    _, args = app_block(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml")
+    args = merged_args(args, {"drafter": {"kind": "model", "tree_width": 2, "tree_nodes": 8}})
+    flags = argparse.Namespace(model="smollm2-135m", draft=None, drafter="lookup", tp=None)
+    config = AppConfig.model_validate(with_overrides(args, model_overrides(flags)))
+    assert (config.target_model, config.draft_model, config.drafter.kind) == ("smollm2-135m", None, "lookup")
+    assert config.front_door is not None and config.front_door.served_model_name == "smollm2-135m"
+    flags = argparse.Namespace(model="qwen-1.5b", draft="qwen-0.5b", drafter=None, tp=None)
+    config = AppConfig.model_validate(with_overrides(args, model_overrides(flags)))
+    assert (config.draft_model, config.drafter.tree_width) == ("qwen-0.5b", 2), "the config's drafter kept"
