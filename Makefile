@@ -24,7 +24,7 @@ models: setup  ## fetch + convert the real models of docs/models.md (skipped whe
 	$(PYTHON) -m modelstore fetch qwen-1.5b qwen-0.5b smollm2-135m
 
 test: models proto  ## the whole suite, as CI runs it
-	$(PYTHON) -m pytest -q --timeout=1800
+	$(PYTHON) -m pytest -q --timeout=1800 --durations=30
 
 test-fast: proto  ## unit tests only, no pretrained models
 	$(PYTHON) -m pytest -q -m "not slow"
