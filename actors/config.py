@@ -214,6 +214,18 @@ class TargetSettings(BaseModel):
         "forward holds attention over more new tokens than this. Smaller keeps other streams' gaps shorter "
         "during a long prefill (on a CPU a forward's cost grows with its tokens); None: no limit.",
     )
+    prefill_round_factor: float | None = Field(
+        default=None,
+        ge=1.0,
+        le=1_000,
+        description="The inter-token budget of the streams decoding beside a long prompt's prefill, as a multiple "
+        "of their round alone: a verify forward carrying a chunk of the prompt takes at most this many times the "
+        "forward of its decoding rows' trees, by the forwards the replica measured (seconds by tokens), so it "
+        "holds on any machine and context length; at least 8 prompt tokens a forward (the prompt always "
+        "progresses), at most prefill_chunk_tokens, which a forward with no decoding row takes while the replica "
+        "holds no other sequence. None: chunks of prefill_chunk_tokens (a GPU, where a forward of a few hundred "
+        "tokens costs about one of a few).",
+    )
     kv_budget_tokens: KvBudgetTokens = None
     kv_memory_fraction: KvMemoryFraction = 0.5
     shard_num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs each shard actor reserves.")

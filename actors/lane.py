@@ -116,6 +116,7 @@ class Lane:
         self.round_ahead = ctx.config.round_ahead and pool_drafts
         self.ahead = RoundAhead(self.calls, config, ctx.metrics, self.speculation)
         self.task: asyncio.Task[None] | None = None
+        self._releasing: set[asyncio.Task[None]] = set()  # releases of idle groups on their way
 
     def __len__(self) -> int:
         return sum(len(g.lives) for g in self.groups)
@@ -140,6 +141,7 @@ class Lane:
                         break
                     continue
                 await self._round()
+                self._release_idle()
         except Exception as e:  # a bug: end the lane's requests with the error instead of hanging them
             logger.exception("lane %s failed", self.key)
             for group in self.groups:
@@ -347,9 +349,19 @@ class Lane:
         live.chunks.put_nowait({"error": message})
         self._leave(group, live)
 
-    async def _flush_releases(self) -> None:
-        """The lane is empty: tell the workers now instead of on a next call that will not come."""
-        for group in self.groups:
+    def _release_idle(self) -> None:
+        """A group left empty has no next verify to carry its releases: they go now, beside the next round (the
+        target replica's KV ledger frees them at once, so it no longer counts finished sequences as waiting)."""
+        idle = [g for g in self.groups if not g.lives and (g.release_target or self.calls.release[g.index])]
+        if idle:
+            task = asyncio.get_running_loop().create_task(self._flush_releases(idle))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+
+    async def _flush_releases(self, groups: list[_Group] | None = None) -> None:
+        """Tell the workers to forget the sequences `groups` (all: the lane is empty) released, now, instead of
+        on a next call that will not come."""
+        for group in self.groups if groups is None else groups:
             draft_ids, self.calls.release[group.index] = self.calls.release[group.index], []
             target_ids, group.release_target = group.release_target, []
             for pool, ids in ((self.ctx.draft, draft_ids), (self.ctx.target, target_ids)):

@@ -39,6 +39,7 @@ from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.target_shard import HEALTH_GROUP, TargetShard
 from actors.verify_deadline import VerifyDeadline, forward_tokens
 from actors.wire import Reserved, TargetInfo, Verified, WireVerifyItem
+from speculative.planning.chunking import ChunkBudget, Sizing
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class TargetReplica:
         self._used: dict[str, float] = {}  # group key -> last use (monotonic)
         self._busy = BusyMeter()
         self._deadline = VerifyDeadline(config.verify_deadline_factor, config.verify_deadline_min_s)
+        self._chunks = ChunkBudget(config.prefill_round_factor)  # every group's forwards: one cost
         self._failed: BaseException | None = None
         self._calls = 0
         self._disagreements = 0
@@ -148,9 +150,14 @@ class TargetReplica:
                 raise ray.exceptions.ActorUnavailableError(f"lost a shard ({type(self._failed).__name__})", None)
             self._deadline.start(forward_tokens(items, self.config.prefill_chunk_tokens))
             seconds = None  # measured only where the forward answered
+            # alone: every sequence this replica holds is in this call
+            sizing = Sizing(self._chunks, len(ledger) <= len(items)) if self._chunks.factor is not None else None
             try:
-                results = await self._on_shards("verify", cache_key, items, release, self._expired(cache_key), borrow)
-                seconds = results[0][1].seconds
+                expired = self._expired(cache_key)
+                results = await self._on_shards("verify", cache_key, items, release, expired, borrow, sizing)
+                work = results[0][1]
+                seconds = work.seconds
+                self._chunks.observe(work.tokens, seconds)
             finally:
                 self._deadline.stop(seconds)
         except Exception as e:

@@ -13,6 +13,7 @@ health check is answered while a long verify runs: a shard that does not answer 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
 from speculative.engine.kv_cache import preallocated
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
+from speculative.planning.chunking import Sizing
 from speculative.rules.acceptance import Verdict
 from speculative.target import TargetVerifier
 
@@ -120,17 +122,25 @@ class TargetShard:
         return self.config.heads.build_heads(model) if self.config.heads is not None else None
 
     def verify(
-        self, cache_key: str, items: list[WireVerifyItem], release: list[str], drop: list[str], borrow: bool = False
+        self,
+        cache_key: str,
+        items: list[WireVerifyItem],
+        release: list[str],
+        drop: list[str],
+        borrow: bool = False,
+        sizing: Sizing | None = None,
     ) -> tuple[list[Verdict], Work]:
-        """`borrow`: no draft call runs beside this one, so the GGUF kernel may use `borrow_cores` too."""
+        """`borrow`: no draft call runs beside this one, so the GGUF kernel may use `borrow_cores` too. `sizing`:
+        what sizes a long prompt's chunk (`TargetVerifier.verify`; every rank is given the same, so their forwards
+        match)."""
         assert self._verifiers is not None, "load() first"
         with borrowing(self._borrow if borrow else ()), Stopwatch() as sw:
             self._verifiers.drop(drop)
             verifier = self._verifiers.get(cache_key)
             if release:
                 verifier.release(release)
-            verdicts = verifier.verify([item.decode() for item in items])
-        return verdicts, sw.work
+            verdicts = verifier.verify([item.decode() for item in items], sizing)
+        return verdicts, dataclasses.replace(sw.work, tokens=verifier.last_tokens)
 
     def release(self, cache_key: str, seq_ids: list[str]) -> None:
         assert self._verifiers is not None, "load() first"

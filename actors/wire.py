@@ -75,10 +75,12 @@ class WireProposal:
 
 @dataclass(frozen=True)
 class Work:
-    """When a worker computed, in `time.time()` seconds (same clock on one machine)."""
+    """When a worker computed, in `time.time()` seconds (same clock on one machine), and over how many
+    tokens where it ran a forward (a verify's: every row's tree and prompt chunk)."""
 
     start: float
     end: float
+    tokens: int = 0
 
     @property
     def seconds(self) -> float:

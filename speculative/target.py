@@ -6,12 +6,14 @@ change), is re-prefilled in the same forward: its missing tokens go in as a chai
 hung after them. A miss costs time, never correctness.
 
 Chunked prefill: one forward carries at most `prefill_chunk` catch-up tokens over all its rows
-(rows in call order). A row whose catch-up does not fit gets what is left of the budget as a plain
-chain, committed, and an empty verdict (no tokens: still prefilling); the caller sends it again
-with the next round. So a long prompt is prefilled over several rounds, interleaved with the other
-rows' verification, and no forward holds attention scores or masks over more than a chunk of new
-tokens. Example, budget 4: rows with catch-ups 0, 6, 3 get 0 + tree, 4 (empty verdict), 0 (empty
-verdict); next call: 0 + tree, 2 + tree, 2 (empty verdict); then 0 + tree, 0 + tree, 1 + tree.
+(the shortest catch-ups first, so a short prompt that comes during a long one's prefill starts at
+once). A row whose catch-up does not fit gets what is left of the budget as a plain chain,
+committed, and an empty verdict (no tokens: still prefilling); the caller sends it again with the
+next round. So a long prompt is prefilled over several rounds, interleaved with the other rows'
+verification, and no forward holds attention scores or masks over more than a chunk of new tokens.
+Example, budget 4: rows with catch-ups 0, 6, 3 get 0 + tree, 1 (empty verdict), 3 + tree; next
+call: 0 + tree, 4 (empty verdict), 0 + tree; then 0 + tree, 1 + tree, 0 + tree. The chunk may
+follow the decoding rows' inter-token budget instead (`planning.chunking`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from speculative.drafters.base import Proposal
 from speculative.drafters.heads import HeadInput, NextTree, TreeHeads
 from speculative.engine.packing import row_offsets
 from speculative.engine.runner import ModelRunner, chain_parents
+from speculative.planning.chunking import Sizing, grants
 from speculative.rules.acceptance import Verdict, follow_choices
 from speculative.rules.grammar import GrammarCompiler
 from speculative.rules.logprobs import token_logprobs
@@ -87,13 +90,19 @@ class TargetVerifier:
         self.grammars = grammars
         self.heads = heads
         self.drafted: dict[str, NextTree] = {}  # per sequence, the heads' tree after its last verdict
+        self.last_tokens = 0  # tokens the last forward computed, every row (what its seconds bought)
         self.device_round = runner.device.type == "cuda" if device_round is None else device_round
 
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def verify(self, items: list[VerifyItem]) -> list[Verdict]:
+    def verify(self, items: list[VerifyItem], sizing: Sizing | None = None) -> list[Verdict]:
+        """Each item's verdict (empty while its prompt is still prefilling). `sizing`: the forwards' measured costs
+        with the other rows' inter-token budget, which size a long prompt's chunk within `[LEAST_CHUNK,
+        prefill_chunk]`, and whether no sequence but these waits on the model (`planning.chunking`). None:
+        `prefill_chunk` tokens."""
+        self.last_tokens = 0
         if not items:
             return []
         for item in items:
@@ -105,7 +114,14 @@ class TargetVerifier:
         rows = [self.runner.row(i.seq_id) for i in items]
         self.runner.reserve(max(len(i.tokens) + i.proposal.tree.size for i in items))
         missing = self.runner.sync(rows, [list(i.tokens) for i in items])
-        forward = self._inputs(items, rows, missing)
+        catch_ups, trees = [len(m) - 1 for m in missing], [i.proposal.tree.size + 1 for i in items]
+        granted = (
+            sizing.grants(catch_ups, trees, self.prefill_chunk)
+            if sizing is not None
+            else grants(catch_ups, trees, self.prefill_chunk, None, alone=False)
+        )
+        forward = self._inputs(items, rows, missing, granted)
+        self.last_tokens = sum(len(t) for t in forward.tokens)
         # Heads read the hidden state of every kept position: the forward returns every column's, and
         # only the trees' go through the LM head.
         gather = forward.logits_at if self.heads is None else [list(range(len(t))) for t in forward.tokens]
@@ -148,8 +164,10 @@ class TargetVerifier:
                 out[k] = replace(verdicts[k], drafted=tree)
         return out
 
-    def _inputs(self, items: list[VerifyItem], rows: list[int], missing: list[list[int]]) -> _Forward:
-        """Each row's catch-up chain with its tree hung after it, within the prefill chunk."""
+    def _inputs(
+        self, items: list[VerifyItem], rows: list[int], missing: list[list[int]], granted: list[int]
+    ) -> _Forward:
+        """Each row's catch-up chain with its tree hung after it, or the part of its catch-up `granted`."""
         width = len(self.runner.rows)
         forward = _Forward(
             tokens=[[] for _ in range(width)],
@@ -159,17 +177,14 @@ class TargetVerifier:
             firsts=[],
             prefilling={},
         )
-        budget = self.prefill_chunk if self.prefill_chunk is not None else sum(len(m) for m in missing)
-        for item, row, miss in zip(items, rows, missing, strict=True):
+        for item, row, miss, grant in zip(items, rows, missing, granted, strict=True):
             off = len(miss) - 1  # catch-up tokens before the root
             forward.firsts.append(len(item.tokens) - len(miss))
-            if off > budget:
-                chunk = forward.prefilling[row] = budget
-                budget = 0
-                forward.tokens[row], forward.parents[row] = miss[:chunk], chain_parents(chunk)
+            if off > grant:
+                forward.prefilling[row] = grant
+                forward.tokens[row], forward.parents[row] = miss[:grant], chain_parents(grant)
                 forward.offsets.append(0)
                 continue
-            budget -= off
             tree = item.proposal.tree
             forward.tokens[row] = miss[:-1] + list(tree.all_tokens)
             forward.parents[row] = chain_parents(off) + [p + off if p >= 0 else off - 1 for p in tree.runner_parents()]
@@ -193,7 +208,8 @@ class TargetVerifier:
             firsts = {k: starts[row] for k, row in enumerate(rows) if row not in forward.prefilling}
             return self._kept(rows, forward, self._walked(items, firsts, logits))
         argmax_only = [argmax_decides(item.params) for item in items]
-        best = logits.argmax(-1).tolist() if any(argmax_only) else []  # [P]
+        peaks, indices = logits.max(-1)  # [P] each: the argmax (its first maximum), and NaN where a row holds one
+        best, peak = indices.tolist(), peaks.tolist()
         sizes = {row: item.proposal.tree.size + 1 for item, row in zip(items, rows, strict=True)}  # root included
         full = [row for row, a in zip(rows, argmax_only, strict=True) if not a and row not in forward.prefilling]
         host: dict[int, torch.Tensor] = {}  # row -> [n+1, V] float32 on the CPU
@@ -206,6 +222,8 @@ class TargetVerifier:
             if row in forward.prefilling:
                 continue
             try:
+                if not all(v < INF for v in peak[starts[row] : starts[row] + sizes[row]]):
+                    raise NotFinite()
                 if a:
                     verdict = follow_choices(item.proposal.tree, best[starts[row] : starts[row] + sizes[row]])
                 else:
@@ -275,12 +293,17 @@ class TargetVerifier:
                 _stacked(draft, nodes, logits),
                 torch.tensor(draws, dtype=torch.float64, device=logits.device),
             )
-            # a sampled row whose distributions have no mass (non-finite logits, every token filtered) fails alone:
-            # its flag rides on the same read-back
-            sane = torch.ones_like(walked[:, :1]) if p is None else _has_mass(p, shape.tokens, rule)[:, None]
-            for k, tree, row in zip(walking, trees, torch.cat([walked, sane], 1).tolist(), strict=True):
-                ids = row[:-1]  # [D + 2]: accepted nodes, then the emitted token; the round's one read-back
-                if k not in found and not row[-1]:
+            # a row whose logits are not finite, or a sampled row whose distributions have no mass (every token
+            # filtered), fails alone: their flags ride on the same read-back
+            finite = logits.amax(-1) < INF  # [P]
+            spans = [finite[firsts[k] : firsts[k] + t.size + 1].all() for k, t in zip(walking, trees, strict=True)]
+            mass = torch.ones_like(walked[:, 0]) if p is None else _has_mass(p, shape.tokens, rule)
+            flags = torch.stack([torch.stack(spans).long(), mass], 1)  # [R, 2]
+            for k, tree, row in zip(walking, trees, torch.cat([walked, flags], 1).tolist(), strict=True):
+                ids = row[:-2]  # [D + 2]: accepted nodes, then the emitted token; the round's one read-back
+                if not row[-2]:
+                    found[k] = failed(items[k], NotFinite())
+                elif k not in found and not row[-1]:
                     found[k] = failed(items[k], ValueError("cannot sample from a distribution with no mass"))
                 if k in found:  # failed above
                     continue
@@ -334,6 +357,16 @@ def _with_logprobs(verdict: Verdict, item: VerifyItem, first: int, logits: torch
         return verdict
     emitting = torch.tensor([first + node for node in verdict.path], device=logits.device)
     return replace(verdict, logprobs=token_logprobs(logits[emitting], verdict.tokens, item.params.logprobs))
+
+
+INF = float("inf")
+
+
+class NotFinite(FloatingPointError):
+    """A row's logits hold NaN or +inf: the model's arithmetic failed on this sequence's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__("the target's logits for this request are NaN or infinite at its tokens")
 
 
 def failed(item: VerifyItem, error: Exception) -> Verdict:

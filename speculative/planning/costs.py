@@ -13,7 +13,7 @@ the draft model drafts, the call to the draft pool included (prompt lookup's dra
 c_i: tokens the draft model catches up on before sequence i drafts (`catch_up`); C: seconds per
 caught-up token (`draft_token`).
 
-V and D are curves (`_Curve`): decayed means per power-of-two bucket of size (tokens for V;
+V and D are curves (`CostCurve`): decayed means per power-of-two bucket of size (tokens for V;
 sequences for D, per unit of depth), interpolated between buckets. Neighbours closer than SPREAD
 in size are averaged first: their slope is noise. Below the smallest size a curve follows its first
 slope (never below proportional to size); above the largest, its last slope, flat from a single
@@ -65,7 +65,7 @@ def _bucket(x: float) -> int:
 
 
 @dataclass
-class _Curve:
+class CostCurve:
     """seconds as a function of size, from observations bucketed by log2(size)."""
 
     memory: float
@@ -92,6 +92,10 @@ class _Curve:
             x0, s0 = spread[-1]
             spread[-1:] = [((x0 + x) / 2, (s0 + seconds) / 2)] if x < SPREAD * x0 else [(x0, s0), (x, seconds)]
         return spread
+
+    def largest(self) -> float:
+        """The largest size observed (its bucket's decayed mean); 0 before any observation."""
+        return max((p.x for p in self.points.values()), default=0.0)
 
     def age(self, x: float) -> int | None:
         """Observations since a size like x was last observed; None if never."""
@@ -129,8 +133,8 @@ class StepCosts:
     """A lane's measured verify and draft costs, and what its rounds delivered against their plans."""
 
     config: DepthConfig = field(default_factory=DepthConfig)  # the memories of these measurements
-    verify: _Curve = field(init=False)  # seconds of a verify forward, by tokens in it
-    draft_step: _Curve = field(init=False)  # seconds per unit of depth of a draft round, by sequences
+    verify: CostCurve = field(init=False)  # seconds of a verify forward, by tokens in it
+    draft_step: CostCurve = field(init=False)  # seconds per unit of depth of a draft round, by sequences
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     rounds: int = 0  # rounds settled
     calibration: float = 1.0  # drafted tokens committed over expected, drafting rounds (decayed)
@@ -142,8 +146,8 @@ class StepCosts:
     ahead_offset: float = 0.0  # seconds a pre-draft's worker has beyond the verify's predicted ones (decayed mean)
 
     def __post_init__(self) -> None:
-        self.verify = _Curve(self.config.cost_memory)
-        self.draft_step = _Curve(self.config.cost_memory)
+        self.verify = CostCurve(self.config.cost_memory)
+        self.draft_step = CostCurve(self.config.cost_memory)
 
     def observe_verify(
         self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, accepted: Seq[int] = ()

@@ -296,3 +296,26 @@ def test_a_silent_draft_pool_does_not_hold_admission(pair: TinyPair) -> None:
 
     info, out = asyncio.run(scenario())
     assert info["context_window"] == WINDOW and len(out["token_ids"]) == 4
+
+
+def test_a_finished_sequence_leaves_the_ledger_while_its_lane_goes_on(pair: TinyPair) -> None:
+    """Pipelining plays two groups per lane; a request that finishes in one while a long one streams in the other
+    leaves the replica's ledger at once (its group has no next verify to carry the release), so the replica does
+    not count it as waiting for a long prompt's forwards (`prefill_round_factor`) nor against its KV budget."""
+    router, target = make(pair, pipelining=True)
+
+    async def scenario() -> tuple[tuple[int, int], tuple[int, int]]:
+        long = router.generate_stream([5, 6, 7], GREEDY | {"max_tokens": 400})
+        await long.__anext__()
+        await router.generate([9, 10, 11], GREEDY | {"max_tokens": 4})
+        for _ in range(50):  # a round or two for the release to land (the long one runs for seconds yet)
+            if (await reserved(target))[1] == 1:
+                break
+            await asyncio.sleep(0.002)
+        during = await reserved(target)
+        await long.aclose()
+        return during, await settled(target)
+
+    during, after = asyncio.run(scenario())
+    assert during == (403, 1), "the short request is released while the long one streams on"
+    assert after == (0, 0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
+import torch
 from ray.exceptions import OutOfMemoryError
 
 from actors.config import DraftWorkerConfig, ModelConfig, RouterConfig, TargetConfig
@@ -20,7 +22,8 @@ from speculative.planning.load_control import QUOTE_RUN
 from speculative.rules.acceptance import Verdict
 from speculative.rules.sampling import SamplingParams
 from speculative.rules.tree import TokenTree
-from tests.actors.conftest import TinyPair, hf_greedy, prompts_and_lengths
+from speculative.target import TargetVerifier
+from tests.actors.conftest import VOCAB, TinyPair, hf_greedy, prompts_and_lengths
 
 
 def fp32(path: str) -> ModelConfig:
@@ -256,6 +259,41 @@ def test_a_request_whose_row_fails_ends_with_the_cause_and_its_group_goes_on(tin
     for (prompt, max_new), result in zip(requests, results, strict=True):
         assert isinstance(result, dict), result
         assert result["token_ids"] == hf_greedy(tiny_pair.target, prompt, max_new)
+
+
+@pytest.mark.parametrize("device_round", [False, True], ids=["host-round", "device-round"])
+def test_a_request_whose_logits_turn_nan_ends_alone_and_its_group_goes_on(
+    tiny_pair: TinyPair, device_round: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target's embedding of one token set to NaN (a model whose arithmetic fails on some input): the request
+    whose prompt holds that token ends saying its logits are NaN, instead of decoding the NaN's argmax as a token;
+    the seven requests verified in the same forwards finish with the tokens they give alone."""
+    init = TargetVerifier.__init__
+
+    def rounding(self: TargetVerifier, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.device_round = device_round  # the GPU's path too, on this CPU
+
+    monkeypatch.setattr(TargetVerifier, "__init__", rounding)
+    router = make_router(tiny_pair, pipelining=False)
+    requests = prompts_and_lengths(7)
+    expected = [hf_greedy(tiny_pair.target, p, m) for p, m in requests]
+    used = {t for (p, _), out in zip(requests, expected, strict=True) for t in p + out}
+    poison = max(set(range(VOCAB)) - used)  # a token none of the seven reads
+    asyncio.run(router.generate([5, 6, 7], {"temperature": 0.0, "max_tokens": 2}))  # the shard's verifier exists
+    (shard,) = router._target.replicas[0].shards.shards  # type: ignore[attr-defined]
+    model = shard._verifiers.owners()[0].runner.model
+    with torch.no_grad():
+        model.get_input_embeddings().weight[poison] = float("nan")
+
+    async def scenario() -> list[object]:
+        calls = [router.generate(p, {"temperature": 0.0, "max_tokens": m}) for p, m in requests]
+        doomed = router.generate([5, poison, 7, 8], {"temperature": 0.0, "max_tokens": 8})
+        return list(await asyncio.gather(doomed, *calls, return_exceptions=True))
+
+    failed, *results = asyncio.run(scenario())
+    assert isinstance(failed, GenerationFailed) and "NaN" in str(failed), failed
+    assert [r["token_ids"] for r in results] == expected  # type: ignore[index]
 
 
 class Slow:

@@ -15,7 +15,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
@@ -30,6 +32,7 @@ from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import free_port, local_ray, merged, run_app, small_cpu_args
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
+from tests.tiny_models import VOCAB
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
@@ -187,6 +190,54 @@ def metric_total(text: str, name: str) -> float:
         if not line.startswith("#") and sample.endswith(name):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST `body` as JSON: the status and the JSON answer, errors included."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_request_whose_logits_turn_nan_at_the_shard_fails_alone_with_a_500_naming_it(served: dict) -> None:
+    """In the target shard's process, the target's embedding of one token set to NaN (a model whose arithmetic
+    fails on some input): eight requests at once, one of them reading that token. That one gets a 500 whose
+    message says its logits are NaN; the seven verified beside it get the target's own tokens."""
+    import ray
+
+    from actors.target_replica import SHARD_NAME
+
+    def set_embedding(shard: Any, token: int, value: Any) -> Any:
+        """Inside the shard's process (`__ray_call__`): the target's embedding row `token` set to `value`; the old
+        row back (the verifiers share one model)."""
+        import torch
+
+        weight = shard._verifiers.owners()[0].runner.model.get_input_embeddings().weight
+        old = weight[token].clone()
+        with torch.no_grad():
+            weight[token] = value
+        return old
+
+    prompts = [[7 + i, 8, 9 + 2 * i, 10, 11] for i in range(7)]
+    expected = [reference(served["root"], p) for p in prompts]
+    poison = max(set(range(VOCAB)) - {t for p, out in zip(prompts, expected, strict=True) for t in p + out})
+    client(served).completions.create(model=MODEL_NAME, prompt=[7, 8], **GREEDY)  # the shard's verifier exists
+    (name,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"{SHARD_NAME}:")]
+    shard = ray.get_actor(name["name"], namespace=name["namespace"])
+    old = ray.get(shard.__ray_call__.remote(set_embedding, poison, float("nan")))
+    try:
+        body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": MAX_NEW, "ignore_eos": True}
+        bodies = [body | {"prompt": [7, poison, 9]}] + [body | {"prompt": p, "return_token_ids": True} for p in prompts]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: post(served["http"] + "/v1/completions", b), bodies))
+    finally:
+        ray.get(shard.__ray_call__.remote(set_embedding, poison, old))
+    (status, doomed), *rest = answers
+    assert status == 500 and "NaN" in doomed["error"]["message"], doomed
+    assert [r["choices"][0]["token_ids"] for _, r in rest] == expected, rest
 
 
 def test_prometheus_endpoint_shows_speculative_metrics(served: dict) -> None:
