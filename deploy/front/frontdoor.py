@@ -357,9 +357,12 @@ def fit_context(
 class Detokenizer:
     """A request's output text, released as it becomes final.
 
-    Text is decoded from all the output tokens each time (the decode the router's stop check uses,
-    so a stop string it stopped at is found here too). Held back until decided: an incomplete UTF-8
-    character (decoded as U+FFFD) and a tail that may be the start of a stop string.
+    Text is decoded incrementally, as vLLM's detokenizer does: each push decodes its new tokens with the
+    tokens since the last character boundary before them as context, and keeps what that adds to the
+    context's own text, so a chunk costs the same at token 4,000 as at token 5 and the text is the whole
+    output's decode (the router's stop check decodes the same way, so a stop string it stopped at is
+    found here too). Held back until decided: an incomplete UTF-8 character (decoded as U+FFFD: the
+    window waits for its next tokens) and a tail that may be the start of a stop string.
 
     As vLLM's `include_stop_str_in_output`: off (the default), the text ends before the stop string,
     and a stop token the output ended on (one of `stop_ids`: the request's stop token ids, the
@@ -380,6 +383,9 @@ class Detokenizer:
         self._stop_ids = stop_ids
         self.token_ids: list[int] = []
         self.sent = 0  # characters of text handed out
+        self.text = ""  # the text of token_ids[:_read]
+        self._context = 0  # where the decode window starts: a character boundary at most one push back
+        self._read = 0  # tokens whose text is in `text`
 
     def push(self, token_ids: list[int], finish_reason: str | None = None) -> str:
         """The new text after `token_ids`; with a finish_reason, all the rest, cut at a stop string."""
@@ -387,7 +393,7 @@ class Detokenizer:
         ids = self.token_ids
         if finish_reason == "stop" and not self._include_stop and ids and ids[-1] in self._stop_ids:
             ids = ids[:-1]  # the router ends an output on its stop token: the last one
-        text = self._decode(ids)
+        text = self._read_up_to(ids, final=finish_reason is not None)
         if finish_reason is not None:
             end = self._stop_cut(text) if finish_reason == "stop" else len(text)
         else:
@@ -395,6 +401,19 @@ class Detokenizer:
         delta = text[self.sent : end]
         self.sent = max(self.sent, end)
         return delta
+
+    def _read_up_to(self, ids: list[int], final: bool) -> str:
+        """`text` grown by the tokens of `ids` past `_read`, decoded from the window's start: what they add to the
+        window's own text, once it does not end in an incomplete character (or the output is final)."""
+        if len(ids) < self._read:  # a stop token already read, dropped from the end: decoded afresh, once
+            self.text, self._context, self._read = self._decode(ids), len(ids), len(ids)
+            return self.text
+        known = self._decode(ids[self._context : self._read])
+        grown = self._decode(ids[self._context :])
+        if len(grown) > len(known) and (final or not grown.endswith("\ufffd")):
+            self.text += grown[len(known) :]
+            self._context, self._read = self._read, len(ids)
+        return self.text
 
     def _stop_cut(self, text: str) -> int:
         hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self._stop) if i >= 0]
