@@ -134,6 +134,9 @@ class _SamplingFields(BaseModel):
     guided_json: dict[str, Any] | str | None = Field(default=None, description="A JSON schema the output follows.")
     guided_regex: str | None = Field(default=None, description="A regular expression the output matches.")
     guided_choice: list[str] | None = Field(default=None, description="The output is one of these strings.")
+    guided_grammar: str | None = Field(
+        default=None, max_length=1_000_000, description="A grammar the output follows: GBNF (`root ::= ...`) or Lark."
+    )
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM's: one of json, regex, choice, json_object."
     )

@@ -2,8 +2,9 @@
 
 OpenAI's `response_format` ({"type": "json_object"}, {"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}}; {"type": "text"} asks nothing) on chat, and on completions as vLLM
-accepts it. vLLM's `guided_json`, `guided_regex`, `guided_choice` and `structured_outputs` ({"json"
-| "regex" | "choice" | "json_object": ...}) map to the same `GrammarSpec`. At most one of them per
+accepts it. vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
+({"json" | "regex" | "choice" | "json_object" | "grammar": ...}) map to the same `GrammarSpec`; a grammar is
+GBNF (`root ::= ...`, as vLLM's xgrammar backend takes it) or Lark (llguidance's syntax). At most one of them per
 request. A grammar llguidance cannot compile is a 400 naming the field it came from; the check
 needs no tokenizer, so the front door makes it before the request reaches a worker.
 """
@@ -15,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
+from llguidance.gbnf_to_lark import any_to_lark
 from pydantic import BaseModel, ConfigDict, Field
 
 from deploy.front.frontdoor import RequestError
@@ -49,7 +51,7 @@ class StructuredOutputs(BaseModel):
     regex: str | None = Field(default=None, description="A regular expression the output matches.")
     choice: list[str] | None = Field(default=None, min_length=1, description="The output is one of these.")
     json_object: bool | None = Field(default=None, description="Any JSON object.")
-    grammar: str | None = Field(default=None, description="Refused: EBNF grammars are not supported.")
+    grammar: str | None = Field(default=None, description="A grammar: GBNF (`root ::= ...`) or Lark.")
     structural_tag: Any = Field(default=None, description="Refused: structural tags are not supported.")
 
 
@@ -78,12 +80,24 @@ def _from_response_format(fmt: ResponseFormat) -> GrammarSpec | None:
     return _schema_spec(fmt.json_schema.schema_ or {}, "response_format")
 
 
+def _grammar_spec(text: str, param: str) -> GrammarSpec:
+    """vLLM's grammar fields: GBNF (`root ::= ...`, what its xgrammar backend takes) as llguidance converts it, or
+    a Lark grammar (llguidance's own syntax)."""
+    try:
+        lark = any_to_lark(text)
+    except Exception as e:  # the converter raises bare Exceptions too ("Rule 'x' not found")
+        raise RequestError(f"{param}: the grammar does not compile: {e}", param=param) from None
+    try:
+        return GrammarSpec(kind="lark", text=lark)
+    except ValueError as e:
+        raise RequestError(f"{param}: {str(e).removeprefix('grammar: ')}", param=param) from None
+
+
 def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
-    for name in ("grammar", "structural_tag"):
-        if getattr(so, name) is not None:
-            param = f"structured_outputs.{name}"
-            raise RequestError(f"{param}: not supported by this server", param=param)
-    asked = [k for k in ("json_", "regex", "choice", "json_object") if getattr(so, k) not in (None, False)]
+    if so.structural_tag is not None:
+        param = "structured_outputs.structural_tag"
+        raise RequestError(f"{param}: not supported by this server", param=param)
+    asked = [k for k in ("json_", "regex", "choice", "json_object", "grammar") if getattr(so, k) not in (None, False)]
     if len(asked) > 1:
         raise RequestError("structured_outputs: at most one constraint", param="structured_outputs")
     if so.json_ is not None:
@@ -92,6 +106,8 @@ def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
         return GrammarSpec(kind="regex", text=so.regex) if so.regex else None
     if so.choice is not None:
         return _choice_spec(so.choice)
+    if so.grammar is not None:
+        return _grammar_spec(so.grammar, "structured_outputs.grammar")
     return GrammarSpec(kind="json_object") if so.json_object else None
 
 
@@ -108,6 +124,8 @@ def request_grammar(request: Any, unavailable: Callable[[], str | None]) -> tupl
         found.append(("guided_regex", GrammarSpec(kind="regex", text=request.guided_regex)))
     if request.guided_choice:
         found.append(("guided_choice", _choice_spec(request.guided_choice)))
+    if request.guided_grammar:
+        found.append(("guided_grammar", _grammar_spec(request.guided_grammar, "guided_grammar")))
     if request.structured_outputs is not None and (spec := _from_structured_outputs(request.structured_outputs)):
         found.append(("structured_outputs", spec))
     if not found:

@@ -25,7 +25,7 @@ IGNORED_HEADER = "x-specserve-ignored-fields"
 _HEADER_CHARS = 1024  # a request may hold thousands of unknown fields: the header names the first ones
 
 _NOT_SUPPORTED = "not supported by this server"
-_GRAMMAR = "not supported: structured output is response_format, guided_json, guided_regex, guided_choice"
+_GRAMMAR = "not supported: structured output is response_format, guided_json / regex / choice / grammar"
 _TEMPLATE = "not supported: the model's own chat template renders every conversation"
 # vLLM's (and OpenAI's older) request fields this server does not implement: the values that ask
 # nothing of it beyond null (empty lists and maps included), and why another value is refused.
@@ -38,7 +38,6 @@ _NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((), _NOT_SUPPORTED),
     "logits_processors": ((), _NOT_SUPPORTED),
     "prompt_embeds": ((), "not supported: send text or token ids"),
-    "guided_grammar": ((), _GRAMMAR),
     "structural_tag": ((), _GRAMMAR),
     "functions": ((), "tools are not supported by this server"),
     "function_call": (("none",), "tools are not supported by this server"),

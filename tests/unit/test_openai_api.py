@@ -126,7 +126,8 @@ BAD = [
         "chat_template_kwargs",
         "not a template variable name",
     ),
-    case("guided-grammar", CHAT, chat(guided_grammar='root ::= "a"'), 400, "guided_grammar", "structured output"),
+    case("structural-tag", CHAT, chat(structural_tag={"begin": "<f>"}), 400, "structural_tag", "structured output"),
+    case("grammar-not-compiling", CHAT, chat(guided_grammar="root ::= b"), 400, "guided_grammar", "does not compile"),
     case(
         "schema-not-compiling",
         CHAT,
@@ -151,7 +152,7 @@ BAD = [
         chat(structured_outputs={"grammar": "root ::= x"}),
         400,
         "structured_outputs.grammar",
-        "not supported",
+        "Rule 'x' not found",
     ),
     case("two-grammars", CMP, completion(guided_json={}, guided_regex="a+"), 400, "guided_regex", "at most one"),
     case("beam-search", CMP, completion(use_beam_search=True), 400, "use_beam_search", "beam search"),

@@ -225,8 +225,8 @@ def test_unknown_fields_are_ignored_by_default_and_named(
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"foo": 1, "top_k": "3"})
     assert bad.value.param == "top_k"  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError) as refused:  # an extension that would change the output if ignored
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"guided_grammar": "root ::= [a-z]+"})
-    assert refused.value.param == "guided_grammar"  # type: ignore[attr-defined]
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"structural_tag": {"begin": "<f>"}})
+    assert refused.value.param == "structural_tag"  # type: ignore[attr-defined]
     plain = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     assert IGNORED_HEADER not in plain.headers
 

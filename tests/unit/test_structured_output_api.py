@@ -86,12 +86,35 @@ def test_completions_take_response_format_and_guided_fields(client: openai.OpenA
 
 
 @pytest.mark.parametrize(
+    "extra",
+    [
+        {"guided_grammar": 'root ::= "mood: " mood "."\nmood ::= "calm" | "cross" | "sleepy"'},  # GBNF (xgrammar's)
+        {"guided_grammar": 'start: "mood: " mood "."\nmood: "calm" | "cross" | "sleepy"'},  # Lark (llguidance's)
+        {"structured_outputs": {"grammar": 'root ::= "mood: " ("calm" | "cross" | "sleepy") "."'}},
+    ],
+    ids=["gbnf", "lark", "structured-outputs"],
+)
+def test_a_grammar_shapes_the_output_and_speculation_does_not_change_it(
+    client: openai.OpenAI, extra: dict[str, Any]
+) -> None:
+    fields: dict[str, Any] = {"model": MODEL_NAME, "prompt": "The cat's mood:", "temperature": 0, "max_tokens": 12}
+    done = client.completions.create(**fields, extra_body=extra)
+    assert re.fullmatch(r"mood: (calm|cross|sleepy)\.", done.choices[0].text), done.choices[0].text
+    assert done.choices[0].finish_reason == "stop"
+    plain = client.completions.create(**fields, extra_body=extra | {"max_draft_tokens": 0})
+    assert plain.choices[0].text == done.choices[0].text
+
+
+@pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"response_format": _schema_format({"type": "nonsense"})}, "response_format"),
         ({"response_format": _schema_format({"type": "string", "minLength": 5, "maxLength": 2})}, "response_format"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),
+        ({"guided_grammar": 'root ::= "a" missing'}, "guided_grammar"),
+        ({"guided_grammar": "start: (unclosed"}, "guided_grammar"),
+        ({"structured_outputs": {"grammar": "root ::= ", "regex": "a"}}, "structured_outputs"),
     ],
 )
 def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(
