@@ -39,6 +39,7 @@ from deploy.front.frontdoor import (
     sampling_params,
 )
 from deploy.openai.prompts import (
+    Turn,
     chat_prompt_ids,
     chat_template_kwargs,
     completion_prompt_ids,
@@ -219,12 +220,29 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Variables for the chat template (e.g. enable_thinking)."
     )
+    add_generation_prompt: bool = Field(default=True, description="Open the assistant's turn after the messages.")
+    continue_final_message: bool = Field(
+        default=False,
+        description="The output continues the last message, an assistant's (a prefill), instead of a new turn; "
+        "with add_generation_prompt false.",
+    )
 
     def _limits(self) -> list[tuple[str, bool, str]]:
         no = "not supported by this server"
+        last = self.messages[-1].role if self.messages else None
         return super()._limits() + [
             ("top_logprobs", self.top_logprobs is None or bool(self.logprobs), "only allowed when logprobs is true"),
             ("tools", not self.tools, no),
+            (
+                "continue_final_message",
+                not (self.continue_final_message and self.add_generation_prompt),
+                "cannot be true with add_generation_prompt true: send add_generation_prompt false",
+            ),
+            (
+                "continue_final_message",
+                not self.continue_final_message or last == "assistant",
+                "the last message must be the assistant's, the one the output continues",
+            ),
         ]
 
 
@@ -282,7 +300,8 @@ def openai_to_generation(
     check_stops(stop, request.stop_token_ids or ())  # before tokenizing: cheap refusals first
     if isinstance(request, ChatCompletionRequest):
         template = chat_template_kwargs(request.chat_template_kwargs, front.tokenizer)
-        prompt = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, template_kwargs=template)
+        turn = Turn(request.add_generation_prompt, request.continue_final_message)
+        prompt = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, turn, template)
         prompt_param = "messages"
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         asked, default = request.max_completion_tokens or request.max_tokens, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from transformers import PreTrainedTokenizerBase
@@ -96,15 +97,24 @@ def chat_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: PreTrainedTok
     return dict(kwargs or {})
 
 
+@dataclass(frozen=True)
+class Turn:
+    """Where the rendered conversation ends: the assistant's turn opened after it (`add_generation_prompt`), or the
+    last message left open for the output to continue (`continue_final_message`, an assistant prefill)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
 def chat_prompt_ids(
     messages: Sequence[Message],
     tokenizer: PreTrainedTokenizerBase,
     prompts: PromptTokenizer,
-    add_generation_prompt: bool = True,
+    turn: Turn = Turn(),
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The conversation through the tokenizer's own chat template, with the assistant's turn opened
-    (`add_generation_prompt`) and `template_kwargs` as the template's variables.
+    """The conversation through the tokenizer's own chat template, ending as `turn` says, with
+    `template_kwargs` as the template's variables.
 
     Only the template's markers are control tokens: control-token text inside a message's content
     is tokenized as plain text (deploy/front/prompts.py).
@@ -119,7 +129,11 @@ def chat_prompt_ids(
         try:
             return str(
                 tokenizer.apply_chat_template(
-                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **variables
+                    conversation,
+                    tokenize=False,
+                    add_generation_prompt=turn.add_generation_prompt,
+                    continue_final_message=turn.continue_final_message,
+                    **variables,
                 )
             )
         except Exception as e:  # jinja's TemplateError and raise_exception(): the template refuses this conversation

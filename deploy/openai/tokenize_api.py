@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from deploy.front.frontdoor import FrontDoor, RequestError, from_validation_error
 from deploy.openai.api import IF_NONE, REQUEST_MODEL, RESPONSE_MODEL, ChatMessage, TokenId
-from deploy.openai.prompts import chat_prompt_ids, chat_template_kwargs
+from deploy.openai.prompts import Turn, chat_prompt_ids, chat_template_kwargs
 from deploy.openai.unknown_fields import ignored_fields
 
 M = TypeVar("M", "TokenizeRequest", "DetokenizeRequest")
@@ -79,8 +79,8 @@ def tokenize(front: FrontDoor, body: bytes, max_model_len: int) -> tuple[Tokeniz
             why = "only false with messages: the chat template places the special tokens"
             raise RequestError(f"add_special_tokens: {why}", param="add_special_tokens")
         template = chat_template_kwargs(request.chat_template_kwargs, front.tokenizer)
-        add = request.add_generation_prompt is not False
-        ids = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, add, template)
+        turn = Turn(add_generation_prompt=request.add_generation_prompt is not False)
+        ids = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, turn, template)
     elif request.prompt is not None:
         for name in ("add_generation_prompt", "chat_template_kwargs"):
             if getattr(request, name) is not None:

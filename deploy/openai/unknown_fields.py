@@ -46,8 +46,6 @@ _NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _CHAT_NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "not supported for chat (vLLM's repeat of the last message)"),
-    "add_generation_prompt": ((True,), "only true: the assistant's turn is always opened"),
-    "continue_final_message": ((False,), _NOT_SUPPORTED),
     "add_special_tokens": ((False,), "only false: the chat template places the special tokens"),
     "chat_template": ((), _TEMPLATE),
     "documents": ((), _TEMPLATE),

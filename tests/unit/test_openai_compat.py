@@ -352,3 +352,32 @@ def test_suffix_makes_a_fill_in_the_middle_prompt_where_the_tokenizer_has_its_ma
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix=" over the dog", **GREEDY)
     body: Any = refused.value.body
     assert body["param"] == "suffix" and "fill-in-the-middle" in body["message"], body
+
+
+def test_continue_final_message_continues_the_assistants_prefill(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's `continue_final_message` with `add_generation_prompt: false`: the prompt is the conversation with
+    the assistant's last message left open (HF's template render), and the output continues it, as a completion
+    of those prompt ids does; either flag alone in the wrong place is a 400 naming it."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "the quick"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, continue_final_message=True, add_generation_prompt=False
+    )
+    assert rendered.endswith("the quick"), "the prefill is left open"
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    done = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, extra_body=flags | {"ignore_eos": True}
+    )
+    assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+    same = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert done.choices[0].message.content == same.choices[0].text
+    for extra, why in (
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        (flags, "assistant"),  # the last message is the user's
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            last = messages if why != "assistant" else MESSAGES
+            client.chat.completions.create(model=MODEL_NAME, messages=last, max_tokens=2, extra_body=extra)
+        assert bad.value.param == "continue_final_message" and why in str(bad.value), bad.value  # type: ignore[attr-defined]
