@@ -57,10 +57,19 @@ class Plan:
         return isinstance(self.request, ChatCompletionRequest)
 
 
-def plan_request(front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: int, window: ContextWindow) -> Plan:
+def plan_request(
+    front: FrontDoor,
+    cls: type[OpenAIRequest],
+    body: bytes,
+    seed: int,
+    window: ContextWindow,
+    kv_budget: int | None = None,
+) -> Plan:
     """Parse, check the model and the request's size, tokenize each prompt: its choices.
 
-    `seed`: drawn by the caller for a request that has none. Raises RequestError naming the field.
+    `seed`: drawn by the caller for a request that has none. `kv_budget`: the KV tokens a target replica holds
+    (the router's info), which a prompt's `n` choices, admitted together on its lane's replica, must fit in at
+    once. Raises RequestError naming the field.
     """
     request = parse_request(cls, body)
     refused = not_honoured(chat=isinstance(request, ChatCompletionRequest))
@@ -75,10 +84,25 @@ def plan_request(front: FrontDoor, cls: type[OpenAIRequest], body: bytes, seed: 
             param, echo = "messages", ""
         else:
             param, echo = completion_prompt_param(request.prompt, k), echo_text(request, front, k)
+        check_fits_at_once(n, len(ids) + sampling["max_tokens"], kv_budget)
         for i in range(n):
             seeded = sampling | {"seed": choice_seed(request.seed, seed, k * n + i, i)}
             choices.append(Choice(k * n + i, ids, seeded, k, param, echo))
     return Plan(request, choices, ignored)
+
+
+def check_fits_at_once(n: int, tokens: int, kv_budget: int | None) -> None:
+    """RequestError (400) when `n` choices of `tokens` (prompt + max_tokens) each can never be held at once: a
+    request whose choices do not fit together would get 429 on every retry."""
+    if kv_budget is None or n < 2 or n * tokens <= kv_budget:
+        return
+    raise RequestError(
+        f"n: {n} choices of {tokens} tokens each (prompt + max_tokens) need {n * tokens} KV tokens at once, more "
+        f"than a target replica holds, {kv_budget} (target_pool.kv_budget_tokens): ask for fewer choices or a "
+        "smaller max_tokens",
+        param="n",
+        code="context_length_exceeded",
+    )
 
 
 def check_batch(request: CompletionRequest, n: int) -> int:

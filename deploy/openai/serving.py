@@ -48,7 +48,8 @@ async def serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], bo
     """The response to one POST /v1/completions or /v1/chat/completions body."""
     info = await backend.info()
     window = front.served_window(info)
-    plan = await front.off_loop(plan_request, front, cls, body, secrets.randbits(63), window)
+    budget = info.get("kv_budget_tokens")
+    plan = await front.off_loop(plan_request, front, cls, body, secrets.randbits(63), window, budget)
     headers = ignored_header(plan.ignored)
     eos = frozenset(int(t) for t in info.get("eos_ids", ()))
     detoks = {c.index: detokenizer(front, plan.request, c.sampling, eos) for c in plan.choices}

@@ -112,8 +112,9 @@ def small_kv(folders: tuple[Path, Path, Any]) -> Iterator[tuple[TestClient, Ingr
 def test_the_front_doors_serve_the_window_the_kv_budget_allows(
     small_kv: tuple[TestClient, Ingress, TargetReplica],
 ) -> None:
-    """/v1/models and gRPC Health report the budget; a request over it is a 400 naming the knob; one that must
-    wait for room is a 429 with Retry-After, served once the sequence holding the room is gone."""
+    """/v1/models and gRPC Health report the budget; a request over it is a 400 naming the knob, and so is one
+    whose `n` choices can never be held together; one that must wait for room is a 429 with Retry-After, served
+    once the sequence holding the room is gone."""
     client, ingress, target = small_kv
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == KV_BUDGET
     health = client.portal.call(ingress.Health, pb.HealthRequest())  # type: ignore[union-attr]
@@ -124,6 +125,14 @@ def test_the_front_doors_serve_the_window_the_kv_budget_allows(
     assert over.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
     assert f"context window of {KV_BUDGET} tokens" in error["message"]
     assert "target_pool.kv_budget_tokens" in error["message"]
+    never = client.post("/v1/completions", json=body | {"prompt": [5, 6, 7, 8], "max_tokens": 96, "n": 3})
+    error = never.json()["error"]  # 3 x 100 tokens: each fits, together they never will (a 429 on every retry)
+    assert never.status_code == 400 and error["param"] == "n" and error["code"] == "context_length_exceeded"
+    assert "need 300 KV tokens at once" in error["message"] and "target_pool.kv_budget_tokens" in error["message"]
+    assert (
+        client.post("/v1/completions", json=body | {"prompt": [5, 6, 7, 8], "max_tokens": 60, "n": 4}).status_code
+        == 200
+    )
     waiting = body | {"prompt": [5, 6, 7, 8], "max_tokens": 96}  # 100 tokens: fits the window, not what is left
 
     def ledger() -> int:
