@@ -84,6 +84,8 @@ def usage(seq: Sequence) -> dict[str, Any]:
         "drafted": seq.stats.drafted,
         "accepted": seq.stats.accepted,
         "acceptance_length": seq.stats.acceptance_length,
+        "acceptance_histogram": list(seq.stats.histogram),
+        "spec_tokens": seq.stats.spec_tokens,
     }
 
 

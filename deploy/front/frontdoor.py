@@ -123,9 +123,16 @@ class FrontDoorConfig(BaseModel):
         "vLLM does): the request is served, the fields are logged at warning level and named in the response's "
         "`x-specserve-ignored-fields` header; clients and SDKs written for OpenAI or vLLM send fields a server "
         "does not know (`store`, `metadata`, `service_tier`, newer SDK fields), and refusing them makes a drop-in "
-        "server fail. vLLM extensions that would change the output if ignored (`guided_grammar`, `use_beam_search`, "
+        "server fail. vLLM extensions that would change the output if ignored (`structural_tag`, `use_beam_search`, "
         "`truncate_prompt_tokens`...) are refused all the same. `reject`: any unknown field is a 400 naming it, as "
         "OpenAI answers. Known fields are validated strictly either way (docs/openai.md).",
+    )
+    per_request_spec_decode_metrics: bool = Field(
+        default=False,
+        description="Each completion (and a stream's usage chunk) carries `metrics.speculative_decoding` with "
+        "vLLM's per-request fields (`--per-request-spec-decode-metrics summary`): mean_acceptance_length, "
+        "draft_acceptance_rate, acceptance_histogram, num_spec_steps, num_accepted_draft_tokens, num_draft_tokens, "
+        "num_spec_tokens.",
     )
 
     @model_validator(mode="after")

@@ -361,6 +361,46 @@ class Usage(BaseModel):
         )
 
 
+class SpecDecodeMetrics(BaseModel):
+    """vLLM's per-request speculative decoding summary (`--per-request-spec-decode-metrics summary`)."""
+
+    model_config = RESPONSE_MODEL
+
+    mean_acceptance_length: float = Field(description="1 + accepted draft tokens per step that drafted.")
+    draft_acceptance_rate: float = Field(description="Accepted draft tokens over those proposed.")
+    acceptance_histogram: list[int] = Field(description="[j]: steps that drafted and kept exactly j draft tokens.")
+    num_spec_steps: int = Field(description="Target steps (verify forwards) with a draft.")
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int = Field(description="The most draft tokens (tree nodes) one step proposed.")
+
+    @classmethod
+    def of(cls, usages: list[dict[str, Any]]) -> SpecDecodeMetrics:
+        """Over a request's choices (the router's usage dicts)."""
+        steps, accepted, drafted = (sum(int(u.get(k, 0)) for u in usages) for k in ("drafts", "accepted", "drafted"))
+        histogram = [0] * max((len(u.get("acceptance_histogram", ())) for u in usages), default=0)
+        for u in usages:
+            for j, count in enumerate(u.get("acceptance_histogram", ())):
+                histogram[j] += int(count)
+        return cls(
+            mean_acceptance_length=1.0 + accepted / steps if steps else 0.0,
+            draft_acceptance_rate=accepted / drafted if drafted else 0.0,
+            acceptance_histogram=histogram,
+            num_spec_steps=steps,
+            num_accepted_draft_tokens=accepted,
+            num_draft_tokens=drafted,
+            num_spec_tokens=max((int(u.get("spec_tokens", 0)) for u in usages), default=0),
+        )
+
+
+class Metrics(BaseModel):
+    """A response's `metrics` (vLLM's per-request metrics object)."""
+
+    model_config = RESPONSE_MODEL
+
+    speculative_decoding: SpecDecodeMetrics
+
+
 class _Choice(BaseModel):
     """What every choice holds beside its text, message or delta."""
 
@@ -392,6 +432,7 @@ class Completion(_Response):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = Field(default=None, **IF_NONE)
+    metrics: Metrics | None = Field(default=None, **IF_NONE)
 
 
 class AssistantMessage(BaseModel):
@@ -409,6 +450,7 @@ class ChatCompletion(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    metrics: Metrics | None = Field(default=None, **IF_NONE)
 
 
 class Delta(BaseModel):
@@ -426,6 +468,7 @@ class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChunkChoice]
     usage: Usage | None = Field(default=None, **IF_NONE)
+    metrics: Metrics | None = Field(default=None, **IF_NONE)
 
 
 class ErrorInfo(BaseModel):

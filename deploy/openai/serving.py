@@ -32,6 +32,8 @@ from deploy.openai.api import (
     CompletionChoice,
     Delta,
     ErrorBody,
+    Metrics,
+    SpecDecodeMetrics,
     Usage,
     new_id,
 )
@@ -62,7 +64,7 @@ async def serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], bo
         c.echo + await front.detokenize(detoks[c.index], list(r["token_ids"]), r["finish_reason"])
         for c, r in zip(plan.choices, results, strict=True)
     ]
-    response = _full_response(plan, front.model_name, texts, results, token_text(front))
+    response = _full_response(plan, front, texts, results, token_text(front))
     return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 
@@ -164,10 +166,18 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def request_metrics(front: FrontDoor, usages: list[dict[str, Any]]) -> Metrics | None:
+    """The response's `metrics` where `front_door.per_request_spec_decode_metrics` asks for them."""
+    if not front.config.per_request_spec_decode_metrics:
+        return None
+    return Metrics(speculative_decoding=SpecDecodeMetrics.of(usages))
+
+
 def _full_response(
-    plan: Plan, model: str, texts: list[str], results: list[dict[str, Any]], text_of: TokenText
+    plan: Plan, front: FrontDoor, texts: list[str], results: list[dict[str, Any]], text_of: TokenText
 ) -> Completion | ChatCompletion:
-    usage = summed_usage(plan.choices, [r.get("usage") or {} for r in results])
+    usages = [r.get("usage") or {} for r in results]
+    usage, metrics, model = summed_usage(plan.choices, usages), request_metrics(front, usages), front.model_name
     pairs = list(zip(plan.choices, texts, results, strict=True))
 
     def token_ids(result: dict[str, Any]) -> list[int] | None:
@@ -185,7 +195,7 @@ def _full_response(
             )
             for c, text, r in pairs
         ]
-        return ChatCompletion(id=rid, created=created, model=model, choices=chats, usage=usage)
+        return ChatCompletion(id=rid, created=created, model=model, choices=chats, usage=usage, metrics=metrics)
     rid, created = new_id("cmpl")
     completions = [
         CompletionChoice(
@@ -197,7 +207,7 @@ def _full_response(
         )
         for c, text, r in pairs
     ]
-    return Completion(id=rid, created=created, model=model, choices=completions, usage=usage)
+    return Completion(id=rid, created=created, model=model, choices=completions, usage=usage, metrics=metrics)
 
 
 def summed_usage(choices: list[Choice], usages: list[dict[str, Any]]) -> Usage:
@@ -229,9 +239,10 @@ async def _events(
     model = front.model_name
     include_usage = request.stream_options is not None and request.stream_options.include_usage
 
-    def event(choices: list[Any], usage: Usage | None = None) -> str:
+    def event(choices: list[Any], usage: Usage | None = None, metrics: Metrics | None = None) -> str:
         cls = ChatCompletionChunk if chat else Completion
-        return f"data: {cls(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()}\n\n"
+        body = cls(id=rid, created=created, model=model, choices=choices, usage=usage, metrics=metrics)
+        return f"data: {body.model_dump_json()}\n\n"
 
     def choice(
         index: int, text: str | None, ids: list[int], reason: str | None, role: bool = False, logprobs: Any = None
@@ -264,7 +275,8 @@ async def _events(
                 if reason is not None:
                     usages[c.index] = chunk.get("usage") or {}
         if include_usage:
-            yield event([], summed_usage(plan.choices, [usages[c.index] for c in plan.choices]))
+            every = [usages[c.index] for c in plan.choices]
+            yield event([], summed_usage(plan.choices, every), request_metrics(front, every))
     except Exception as e:  # the status line is sent: report in the stream, as OpenAI and vLLM do
         logger.exception("stream failed")
         code = "stream_timeout" if isinstance(e, StreamTimeout) else "internal_error"

@@ -29,6 +29,8 @@ class SequenceStats:
     draft_catch_up: int = 0  # at its last draft, committed tokens the draft model had not seen beyond a round's
     lookup_run: int = 0  # prompt lookup: the `run_class` of its last planned draft's match (0: none)
     lookup_tally: dict[int, tuple[float, float]] = field(default_factory=dict)  # n -> its (accepted, trials)
+    histogram: list[int] = field(default_factory=list)  # [j]: steps with a draft whose verdict accepted j of it
+    spec_tokens: int = 0  # the most draft tokens (tree nodes) one step proposed
 
     def record_drafter(self, run: int) -> None:
         """Its planned round drafts by a lookup match of run class `run` (0: not by lookup): what its verdict
@@ -83,6 +85,10 @@ class Sequence:
         self.stats.drafts += int(drafted > 0)
         self.stats.drafted += drafted
         self.stats.accepted += n_accepted
+        if drafted:
+            self.stats.histogram += [0] * (n_accepted + 1 - len(self.stats.histogram))
+            self.stats.histogram[n_accepted] += 1
+            self.stats.spec_tokens = max(self.stats.spec_tokens, drafted)
         before = len(self.output)
         self.output += tokens
         stop = check_stop(self.output, len(tokens), self.params, eos_ids, decode)

@@ -381,3 +381,33 @@ def test_continue_final_message_continues_the_assistants_prefill(client: openai.
             last = messages if why != "assistant" else MESSAGES
             client.chat.completions.create(model=MODEL_NAME, messages=last, max_tokens=2, extra_body=extra)
         assert bad.value.param == "continue_final_message" and why in str(bad.value), bad.value  # type: ignore[attr-defined]
+
+
+def test_per_request_spec_decode_metrics_under_vllms_names(client: openai.OpenAI, models: Any, tokenizer: Any) -> None:
+    """`front_door.per_request_spec_decode_metrics`: each response (and a stream's usage chunk) carries vLLM's
+    `metrics.speculative_decoding`, agreeing with its usage and with itself; off by default."""
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert "metrics" not in (plain.model_extra or {}), "off by default, the response as before"
+    ingress = tiny_ingress(models, tokenizer, per_request_spec_decode_metrics=True)
+    with serve_in_thread(ingress.__serve_build_asgi_app__()) as url:
+        measured = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        body: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        done = measured.completions.create(**body, n=2, extra_body={"ignore_eos": True})
+        chunks = list(
+            measured.completions.create(
+                **body, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+            )
+        )
+    for usage, metrics in (
+        (done.usage, done.model_extra["metrics"]),
+        (chunks[-1].usage, chunks[-1].model_extra["metrics"]),
+    ):
+        spec = metrics["speculative_decoding"]
+        assert usage is not None and spec["num_draft_tokens"] == usage.model_extra["draft_tokens"] > 0
+        assert spec["num_accepted_draft_tokens"] == usage.model_extra["accepted_tokens"]
+        histogram = spec["acceptance_histogram"]
+        assert sum(histogram) == spec["num_spec_steps"] > 0
+        assert sum(j * count for j, count in enumerate(histogram)) == spec["num_accepted_draft_tokens"]
+        assert spec["mean_acceptance_length"] == 1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"]
+        assert spec["draft_acceptance_rate"] == spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"]
+        assert spec["num_spec_tokens"] >= len(histogram) - 1
