@@ -44,7 +44,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     target, draft, _ = save_tiny_pair(root)
     # The tiny draft costs as much as the tiny target, so the load control would (rightly) stop
     # drafting, and the speculative metrics below would stay at zero.
-    args = merged(small_cpu_args(target, draft, MODEL_NAME), {"speculation": {"load_adaptive": False}})
+    # per-request stats on, to compare with the Prometheus counters
+    overrides = {"speculation": {"load_adaptive": False}, "front_door": {"per_request_spec_decode_metrics": True}}
+    args = merged(small_cpu_args(target, draft, MODEL_NAME), overrides)
     config = AppConfig.model_validate(args)
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     with local_ray(num_cpus=4, _metrics_export_port=metrics_port):
@@ -263,3 +265,37 @@ def test_prometheus_endpoint_shows_speculative_metrics(served: dict) -> None:
     # Ray exports _sum from bucket midpoints; the (0.99, 1] bucket keeps plain-decoding requests at 0.995.
     mean = metric_total(text, "specserve_acceptance_length_sum") / totals["specserve_acceptance_length_count"]
     assert mean >= 0.99, mean
+
+
+def test_per_request_stats_agree_with_the_prometheus_counters(served: dict) -> None:
+    """One request alone: its `metrics.speculative_decoding` equals what it added to the router's Prometheus
+    counters (draft tokens, accepted tokens, drafting steps), as Ray's endpoint reports them."""
+    names = ("specserve_draft_tokens_total", "specserve_accepted_tokens_total", "spec_decode_num_drafts_total")
+
+    def settled() -> dict[str, float]:
+        """The counters once two reads a report interval apart agree (earlier tests' requests all reported)."""
+        last: dict[str, float] = {}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(served["metrics"], timeout=10).read().decode()
+            now = {name: metric_total(text, name) for name in names}
+            if now == last:
+                return now
+            last = now
+            time.sleep(6)
+        raise AssertionError(f"the counters kept moving: {last}")
+
+    before = settled()
+    done = client(served).completions.create(model=MODEL_NAME, prompt=[7, 8, 9, 7, 8, 9], **GREEDY)
+    spec = done.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_draft_tokens"] > 0
+    deadline = time.monotonic() + 90
+    after = settled()
+    while after == before and time.monotonic() < deadline:  # the request's increments on the next report
+        after = settled()
+    added = {name: after[name] - before[name] for name in names}
+    assert added == {
+        "specserve_draft_tokens_total": spec["num_draft_tokens"],
+        "specserve_accepted_tokens_total": spec["num_accepted_draft_tokens"],
+        "spec_decode_num_drafts_total": spec["num_spec_steps"],
+    }, (added, spec)

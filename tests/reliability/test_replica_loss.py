@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -123,7 +124,8 @@ def test_a_hung_verify_replaces_its_replica_and_the_stream_completes(
 ) -> None:
     """A verify forward that never returns (its shard's health thread still answering): past its deadline, sized
     to its tokens by the replica's measured cost (verify_deadline_min_s 3 here), the replica's health check
-    fails, Serve replaces it, and the stream goes on there with the target's own tokens."""
+    fails and so does the readiness /health asks (503), Serve replaces the replica, and the stream goes on there
+    with the target's own tokens within 60 s."""
     import ray
 
     def hang_verifies(shard: Any, seconds: float) -> None:
@@ -144,8 +146,22 @@ def test_a_hung_verify_replaces_its_replica_and_the_stream_completes(
     handle = ray.get_actor(shard["name"], namespace=shard["namespace"])
     old = str(describe("target")["replica"])
     app.stats.remote(reset=True).result()
+    unready: list[float] = []  # seconds from the hang to the first failed readiness check (what /health asks)
+
+    def watch() -> None:
+        while time.monotonic() - started < 60 and not unready:
+            try:
+                app.ready.remote().result(timeout_s=10)
+            except Exception:
+                unready.append(time.monotonic() - started)
+            time.sleep(0.1)
+
+    def hang() -> None:
+        handle.__ray_call__.remote(hang_verifies, 3600)
+        threading.Thread(target=watch, daemon=True).start()
+
     started = time.monotonic()
-    chunks = stream_with_fault(app, params(LONG), lambda: handle.__ray_call__.remote(hang_verifies, 3600))
+    chunks = stream_with_fault(app, params(LONG), hang)
     seconds = time.monotonic() - started
     stats = app.stats.remote(reset=True).result()
     print(f"{seconds:.1f} s, verify calls by replica {stats['verify_calls']}")
@@ -153,4 +169,5 @@ def test_a_hung_verify_replaces_its_replica_and_the_stream_completes(
     assert chunks[-1]["finish_reason"] == "length"
     assert old in stats["verify_calls"] and len(stats["verify_calls"]) == 2, "the stream moved replicas"
     assert seconds < 60, "every stream completes within 60 s of the hang"
+    assert unready and unready[0] < 3.0 + 2.0, f"/health's readiness fails past the 3 s deadline: {unready}"
     assert wait_until(lambda: replaced("target", old), timeout_s=60)
