@@ -112,7 +112,9 @@ class TargetReplica:
         self._used: dict[str, float] = {}  # group key -> last use (monotonic)
         self._busy = BusyMeter()
         self._deadline = VerifyDeadline(config.verify_deadline_factor, config.verify_deadline_min_s)
-        self._chunks = ChunkBudget(config.prefill_round_factor)  # every group's forwards: one cost
+        # every group's forwards measured together (one model, one cost); only where chunks are sized by them
+        factor = config.prefill_round_factor
+        self._chunks = ChunkBudget(factor) if factor is not None else None
         self._failed: BaseException | None = None
         self._calls = 0
         self._disagreements = 0
@@ -151,13 +153,14 @@ class TargetReplica:
             self._deadline.start(forward_tokens(items, self.config.prefill_chunk_tokens))
             seconds = None  # measured only where the forward answered
             # alone: every sequence this replica holds is in this call
-            sizing = Sizing(self._chunks, len(ledger) <= len(items)) if self._chunks.factor is not None else None
+            sizing = Sizing(self._chunks, len(ledger) <= len(items)) if self._chunks is not None else None
             try:
                 expired = self._expired(cache_key)
                 results = await self._on_shards("verify", cache_key, items, release, expired, borrow, sizing)
                 work = results[0][1]
                 seconds = work.seconds
-                self._chunks.observe(work.tokens, seconds)
+                if self._chunks is not None:
+                    self._chunks.observe(work.tokens, seconds)
             finally:
                 self._deadline.stop(seconds)
         except Exception as e:

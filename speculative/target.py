@@ -295,10 +295,11 @@ class TargetVerifier:
             )
             # a row whose logits are not finite, or a sampled row whose distributions have no mass (every token
             # filtered), fails alone: their flags ride on the same read-back
-            finite = logits.amax(-1) < INF  # [P]
-            spans = [finite[firsts[k] : firsts[k] + t.size + 1].all() for k, t in zip(walking, trees, strict=True)]
-            mass = torch.ones_like(walked[:, 0]) if p is None else _has_mass(p, shape.tokens, rule)
-            flags = torch.stack([torch.stack(spans).long(), mass], 1)  # [R, 2]
+            own = [[firsts[k] + min(j, t.size) for j in range(nodes)] for k, t in zip(walking, trees, strict=True)]
+            rows = torch.tensor(own, dtype=torch.long, device=logits.device)  # [R, N] each item's logits rows
+            finite = (logits.amax(-1) < INF)[rows].all(-1).long()  # [R]: one gather, not a launch per item
+            mass = torch.ones_like(finite) if p is None else _has_mass(p, shape.tokens, rule)
+            flags = torch.stack([finite, mass.to(finite.dtype)], 1)  # [R, 2]
             for k, tree, row in zip(walking, trees, torch.cat([walked, flags], 1).tolist(), strict=True):
                 ids = row[:-2]  # [D + 2]: accepted nodes, then the emitted token; the round's one read-back
                 if not row[-2]:
