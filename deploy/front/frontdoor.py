@@ -117,6 +117,12 @@ class FrontDoorConfig(BaseModel):
         description="Threads that parse requests, render chat templates, tokenize and detokenize long outputs, so "
         "the event loop serving every stream and /health never waits on a large prompt.",
     )
+    tool_call_parser: Literal["auto", "hermes", "none"] = Field(
+        default="auto",
+        description="How tool calls are read out of the model's output (deploy/openai/tools.py): `hermes`, "
+        "`<tool_call>{json}</tool_call>` as Qwen2.5 writes them; `auto`, hermes where the chat template writes "
+        "`<tool_call>`; `none`, requests with tools are refused.",
+    )
     unknown_fields: Literal["ignore", "reject"] = Field(
         default="ignore",
         description="What the OpenAI HTTP API does with a request field it does not know. `ignore` (the default, as "

@@ -60,7 +60,7 @@ class PromptTokenizer:
         """The first control token whose text occurs in `text`, if any."""
         return next((c for c in self.controls if c in text), None)
 
-    def chat(self, messages: list[dict[str, str]], render: Callable[[list[dict[str, str]]], str]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]) -> list[int]:
         """A conversation through `render` (the chat template), its contents' control-token text kept as text."""
         rendered = render(messages)
         marked = [i for i, m in enumerate(messages) if self.control_in(m["content"]) is not None]
@@ -93,10 +93,10 @@ def control_texts(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
 
 
 def _pieces(
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     marked: Sequence[int],
     rendered: str,
-    render: Callable[[list[dict[str, str]]], str],
+    render: Callable[[list[dict[str, Any]]], str],
     tokens: PromptTokenizer,
 ) -> list[tuple[str, bool]]:
     """`rendered` as (text, is_client_text) pieces: the marked contents apart from the template around them.

@@ -46,6 +46,17 @@ from deploy.openai.prompts import (
     completion_prompt_param,
 )
 from deploy.openai.structured_output import ResponseFormat, StructuredOutputs, request_grammar
+from deploy.openai.tools import (
+    DeltaToolCall,
+    OutToolCall,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolUse,
+    parser_for,
+    template_turn_calls,
+    tool_use,
+)
 
 # extra="allow": unknown fields land in `model_extra`, for deploy/openai/unknown_fields.py to ignore or refuse
 REQUEST_MODEL = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
@@ -197,12 +208,37 @@ Content = Annotated[str | list[TextPart], _one_of("a string or a list of text pa
 class ChatMessage(BaseModel):
     model_config = REQUEST_MODEL
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="Tools are not supported.")
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = Field(default=None, description="Required but for an assistant's tool calls.")
     name: str | None = Field(default=None, max_length=256, description="Accepted, not shown to the model.")
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=128, description="An assistant's calls (deploy/openai/tools.py)."
+    )
+    tool_call_id: str | None = Field(default=None, max_length=256, description="A tool's result: the call it answers.")
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def template_turn(self, param: str) -> dict[str, Any]:
+        # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = template_turn_calls(self.tool_calls, param)
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+    def problem(self) -> tuple[str, str] | None:
+        """(field, what is wrong) where the message's fields do not fit its role."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content", "required (only an assistant message with tool_calls may leave it out)"
+        if self.tool_calls and self.role != "assistant":
+            return "tool_calls", "only an assistant message makes tool calls"
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id", "required in a tool message: the id of the call it answers"
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -215,8 +251,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many most likely tokens at each."
     )
-    tools: list[dict[str, Any]] | None = Field(default=None, description="Only an empty list is supported.")
-    tool_choice: Literal["none"] | None = Field(default=None, description="Only 'none' is supported.")
+    tools: list[Tool] | None = Field(default=None, max_length=128, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="none, auto (the default with tools), required, or {'type': 'function', ...}."
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="False: at most one call (default true).")
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Variables for the chat template (e.g. enable_thinking)."
     )
@@ -228,22 +267,34 @@ class ChatCompletionRequest(_SamplingFields):
     )
 
     def _limits(self) -> list[tuple[str, bool, str]]:
-        no = "not supported by this server"
         last = self.messages[-1].role if self.messages else None
-        return super()._limits() + [
-            ("top_logprobs", self.top_logprobs is None or bool(self.logprobs), "only allowed when logprobs is true"),
-            ("tools", not self.tools, no),
-            (
-                "continue_final_message",
-                not (self.continue_final_message and self.add_generation_prompt),
-                "cannot be true with add_generation_prompt true: send add_generation_prompt false",
-            ),
-            (
-                "continue_final_message",
-                not self.continue_final_message or last == "assistant",
-                "the last message must be the assistant's, the one the output continues",
-            ),
-        ]
+        return (
+            super()._limits()
+            + [
+                (
+                    "top_logprobs",
+                    self.top_logprobs is None or bool(self.logprobs),
+                    "only allowed when logprobs is true",
+                ),
+            ]
+            + [
+                (f"messages.[{i}].{problem[0]}", False, problem[1])
+                for i, m in enumerate(self.messages)
+                if (problem := m.problem()) is not None
+            ]
+            + [
+                (
+                    "continue_final_message",
+                    not (self.continue_final_message and self.add_generation_prompt),
+                    "cannot be true with add_generation_prompt true: send add_generation_prompt false",
+                ),
+                (
+                    "continue_final_message",
+                    not self.continue_final_message or last == "assistant",
+                    "the last message must be the assistant's, the one the output continues",
+                ),
+            ]
+        )
 
 
 def parse_request(cls: type[R], body: bytes) -> R:
@@ -301,11 +352,14 @@ def openai_to_generation(
     if isinstance(request, ChatCompletionRequest):
         template = chat_template_kwargs(request.chat_template_kwargs, front.tokenizer)
         turn = Turn(request.add_generation_prompt, request.continue_final_message)
-        prompt = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, turn, template)
+        tools = request_tools(request, front)
+        listed = tools.tools if tools is not None else None
+        prompt = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, turn, template, listed)
         prompt_param = "messages"
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         asked, default = request.max_completion_tokens or request.max_tokens, None
     else:
+        tools = None
         prompt_param = completion_prompt_param(request.prompt, prompt_index)
         prompt = completion_prompt_ids(request.prompt, front.prompts, prompt_index, request.suffix)
         max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -328,13 +382,19 @@ def openai_to_generation(
         "ignore_eos": request.ignore_eos,
         "max_draft_tokens": request.max_draft_tokens,
         "seed": request.seed if request.seed is not None else seed,
-        "grammar": request_grammar(request, front.grammars.unavailable)[0],
+        "grammar": request_grammar(request, front.grammars.unavailable, tools.grammar if tools else None)[0],
     }
     return prompt, sampling_params(fields)
 
 
+def request_tools(request: ChatCompletionRequest, front: FrontDoor) -> ToolUse | None:
+    """What the request's `tools`, `tool_choice` and `parallel_tool_calls` ask of this model (None: no tools)."""
+    parser = parser_for(front.config.tool_call_parser, front.tokenizer.chat_template)
+    return tool_use(request.tools, request.tool_choice, request.parallel_tool_calls, parser)
+
+
 # ---- responses -----------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 IF_NONE: dict[str, Any] = {"exclude_if": lambda v: v is None}
 
 
@@ -439,7 +499,8 @@ class AssistantMessage(BaseModel):
     model_config = RESPONSE_MODEL
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[OutToolCall] | None = Field(default=None, **IF_NONE)
 
 
 class ChatChoice(_Choice):
@@ -458,6 +519,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, **IF_NONE)
     content: str | None = Field(default=None, **IF_NONE)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, **IF_NONE)
 
 
 class ChunkChoice(_Choice):

@@ -25,8 +25,10 @@ from deploy.openai.api import (
     CompletionRequest,
     openai_to_generation,
     parse_request,
+    request_tools,
 )
 from deploy.openai.prompts import completion_prompt_param, completion_prompts
+from deploy.openai.tools import ToolUse
 from deploy.openai.unknown_fields import ignored_fields, not_honoured
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
@@ -46,11 +48,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class Plan:
-    """A parsed request, its choices in index order, and the names of the undeclared fields it ignores."""
+    """A parsed request, its choices in index order, the names of the undeclared fields it ignores, and (chat) its
+    tools."""
 
     request: OpenAIRequest
     choices: list[Choice]
     ignored: list[str]
+    tools: ToolUse | None = None
 
     @property
     def chat(self) -> bool:
@@ -88,7 +92,8 @@ def plan_request(
         for i in range(n):
             seeded = sampling | {"seed": choice_seed(request.seed, seed, k * n + i, i)}
             choices.append(Choice(k * n + i, ids, seeded, k, param, echo))
-    return Plan(request, choices, ignored)
+    tools = request_tools(request, front) if isinstance(request, ChatCompletionRequest) else None
+    return Plan(request, choices, ignored, tools)
 
 
 def check_fits_at_once(n: int, tokens: int, kv_budget: int | None) -> None:

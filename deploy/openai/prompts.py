@@ -8,6 +8,7 @@ is (deploy/front/prompts.py); only the chat template's own markers are control t
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -21,10 +22,10 @@ from deploy.front.prompts import ControlTextRefused, PromptTokenizer
 class Message(Protocol):
     """What rendering reads of a chat message (`openai_api.ChatMessage`)."""
 
-    @property
-    def role(self) -> str: ...
-
-    def text(self) -> str: ...
+    def template_turn(self, param: str) -> dict[str, Any]:
+        """The message as chat templates take it (`role`, `content` text, and an assistant's `tool_calls`, a
+        tool result's `tool_call_id`); RequestError naming `param`'s fields where it has none."""
+        ...
 
 
 def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -112,20 +113,26 @@ def chat_prompt_ids(
     prompts: PromptTokenizer,
     turn: Turn = Turn(),
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The conversation through the tokenizer's own chat template, ending as `turn` says, with
-    `template_kwargs` as the template's variables.
+    `template_kwargs` as the template's variables and `tools` (OpenAI's tool definitions) as its tools.
 
     Only the template's markers are control tokens: control-token text inside a message's content
-    is tokenized as plain text (deploy/front/prompts.py).
+    is tokenized as plain text (deploy/front/prompts.py). In a tool definition or a call's arguments, which
+    templates write out as JSON, it is refused.
     """
     if tokenizer.chat_template is None:
         raise RequestError("messages: this model has no chat template; use /v1/completions", param="messages")
-    # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
-    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    variables = template_kwargs or {}
+    turns = [m.template_turn(f"messages.[{i}]") for i, m in enumerate(messages)]
+    for param, value in [("tools", tools)] + [
+        (f"messages.[{i}].tool_calls", t.get("tool_calls")) for i, t in enumerate(turns)
+    ]:
+        if value and (control := prompts.control_in(json.dumps(value, ensure_ascii=False))) is not None:
+            raise RequestError(f"{param}: holds the control token `{control}`", param=param)
+    variables = (template_kwargs or {}) | ({"tools": tools} if tools else {})
 
-    def render(conversation: list[dict[str, str]]) -> str:
+    def render(conversation: list[dict[str, Any]]) -> str:
         try:
             return str(
                 tokenizer.apply_chat_template(

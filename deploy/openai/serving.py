@@ -39,6 +39,7 @@ from deploy.openai.api import (
 )
 from deploy.openai.choices import Choice, OpenAIRequest, Plan, plan_request
 from deploy.openai.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from deploy.openai.tools import DeltaToolCall, HermesCalls, ToolUse, delta_calls
 from deploy.openai.unknown_fields import ignored_header
 
 logger = logging.getLogger(__name__)
@@ -185,16 +186,15 @@ def _full_response(
 
     if plan.chat:
         rid, created = new_id("chatcmpl")
-        chats = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=text),
-                logprobs=logprobs_of(True, r.get("logprobs"), text_of),
-                finish_reason=r["finish_reason"],
-                token_ids=token_ids(r),
+        chats = []
+        for c, text, r in pairs:
+            message, reason = assistant_message(text, r["finish_reason"], plan.tools)
+            logprobs = logprobs_of(True, r.get("logprobs"), text_of)
+            chats.append(
+                ChatChoice(
+                    index=c.index, message=message, logprobs=logprobs, finish_reason=reason, token_ids=token_ids(r)
+                )
             )
-            for c, text, r in pairs
-        ]
         return ChatCompletion(id=rid, created=created, model=model, choices=chats, usage=usage, metrics=metrics)
     rid, created = new_id("cmpl")
     completions = [
@@ -208,6 +208,27 @@ def _full_response(
         for c, text, r in pairs
     ]
     return Completion(id=rid, created=created, model=model, choices=completions, usage=usage, metrics=metrics)
+
+
+def call_reader(tools: ToolUse | None) -> HermesCalls | None:
+    """A choice's reader of tool calls, where the request's tools are to be parsed."""
+    return HermesCalls(tools.names, tools.parallel) if tools is not None and tools.parse else None
+
+
+def finish_reason(reason: str | None, calls: HermesCalls | None) -> str | None:
+    """`tool_calls` for a choice that stopped after making calls (OpenAI's and vLLM's), else the router's reason."""
+    return "tool_calls" if reason == "stop" and calls is not None and calls.made else reason
+
+
+def assistant_message(text: str, reason: str | None, tools: ToolUse | None) -> tuple[AssistantMessage, str | None]:
+    """A whole chat choice's message (its text, or its content and tool calls) and finish reason."""
+    calls = call_reader(tools)
+    if calls is None:
+        return AssistantMessage(content=text), reason
+    parsed = calls.feed(text, final=True)
+    if not parsed.calls:
+        return AssistantMessage(content=parsed.content), reason
+    return AssistantMessage(content=parsed.content or None, tool_calls=parsed.calls), finish_reason(reason, calls)
 
 
 def summed_usage(choices: list[Choice], usages: list[dict[str, Any]]) -> Usage:
@@ -245,11 +266,17 @@ async def _events(
         return f"data: {body.model_dump_json()}\n\n"
 
     def choice(
-        index: int, text: str | None, ids: list[int], reason: str | None, role: bool = False, logprobs: Any = None
+        index: int,
+        text: str | None,
+        ids: list[int],
+        reason: str | None,
+        role: bool = False,
+        logprobs: Any = None,
+        calls: list[DeltaToolCall] | None = None,
     ) -> Any:
         token_ids = ids if request.return_token_ids else None
         if chat:
-            delta = Delta(role="assistant" if role else None, content=text)
+            delta = Delta(role="assistant" if role else None, content=text, tool_calls=calls)
             return ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
         return CompletionChoice(
             index=index, text=text or "", logprobs=logprobs, finish_reason=reason, token_ids=token_ids
@@ -257,6 +284,7 @@ async def _events(
 
     text_of = token_text(front)
     offsets = {c.index: len(c.echo) for c in plan.choices}  # completions' text_offset of each choice's next token
+    readers = {c.index: call_reader(plan.tools) for c in plan.choices}  # chat with tools: calls out of the text
 
     usages: dict[int, dict[str, Any]] = {}
     try:
@@ -270,8 +298,14 @@ async def _events(
                 logprobs = logprobs_of(chat, chunk.get("logprobs"), text_of, offsets[c.index])
                 if logprobs is not None and not chat:
                     offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
-                if text or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
-                    yield event([choice(c.index, text, ids, reason, logprobs=logprobs)])
+                calls: list[DeltaToolCall] | None = None
+                if (reader := readers[c.index]) is not None:
+                    sent = reader.made
+                    parsed = reader.feed(text, final=reason is not None)
+                    text, calls = parsed.content, delta_calls(parsed.calls, sent) or None
+                    reason = finish_reason(reason, reader)
+                if text or calls or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
+                    yield event([choice(c.index, text or None, ids, reason, logprobs=logprobs, calls=calls)])
                 if reason is not None:
                     usages[c.index] = chunk.get("usage") or {}
         if include_usage:

@@ -111,11 +111,14 @@ def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
     return GrammarSpec(kind="json_object") if so.json_object else None
 
 
-def request_grammar(request: Any, unavailable: Callable[[], str | None]) -> tuple[dict[str, Any] | None, str | None]:
+def request_grammar(
+    request: Any, unavailable: Callable[[], str | None], tools: GrammarSpec | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
     """The request's grammar as a SamplingParams `grammar` dict, and the field it came from (None, None:
-    no constraint). RequestError naming the field for two constraints, one llguidance cannot compile, or
+    no constraint). `tools`: the calls a `tool_choice` of required or a function asks for (deploy/openai/tools.py).
+    RequestError naming the field for two constraints, one llguidance cannot compile, or
     any when `unavailable()` says why this model cannot have one (`GrammarCompiler.unavailable`)."""
-    found: list[tuple[str, GrammarSpec]] = []
+    found: list[tuple[str, GrammarSpec]] = [("tool_choice", tools)] if tools is not None else []
     if request.response_format is not None and (spec := _from_response_format(request.response_format)):
         found.append(("response_format", spec))
     if request.guided_json is not None:

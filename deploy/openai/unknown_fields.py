@@ -39,8 +39,8 @@ _NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": ((), _NOT_SUPPORTED),
     "prompt_embeds": ((), "not supported: send text or token ids"),
     "structural_tag": ((), _GRAMMAR),
-    "functions": ((), "tools are not supported by this server"),
-    "function_call": (("none",), "tools are not supported by this server"),
+    "functions": ((), "deprecated by OpenAI: send tools"),
+    "function_call": (("none",), "deprecated by OpenAI: send tool_choice with tools"),
     "audio": ((), "audio output is not supported by this server"),
     "modalities": ((["text"],), "only text output is supported"),
 }

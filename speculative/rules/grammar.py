@@ -34,7 +34,7 @@ from speculative.rules.sampling import GrammarSpec
 
 # JSON as vLLM's llguidance backend compiles it, with whitespace between tokens bounded: an
 # unbounded run lets a small model pad a value with newlines until max_tokens.
-_JSON_DEFAULTS: dict[str, Any] = {"whitespace_pattern": r"[ \n]{0,2}"}
+JSON_DEFAULTS: dict[str, Any] = {"whitespace_pattern": r"[ \n]{0,2}"}
 
 
 class GrammarError(ValueError):
@@ -53,9 +53,9 @@ def grammar_source(spec: GrammarSpec) -> str:
     """The llguidance grammar of a spec (text only: not yet checked)."""
     matcher = _llguidance().LLMatcher
     if spec.kind == "json_object":
-        return str(matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS))
+        return str(matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS))
     if spec.kind == "json_schema":
-        return str(matcher.grammar_from_json_schema(json.loads(spec.text), defaults=_JSON_DEFAULTS))
+        return str(matcher.grammar_from_json_schema(json.loads(spec.text), defaults=JSON_DEFAULTS))
     if spec.kind == "regex":
         return str(matcher.grammar_from_regex(spec.text))
     return str(matcher.grammar_from_lark(spec.text))
