@@ -23,7 +23,8 @@ Graphs = Literal["auto", "on", "off"]
 Weights = Literal["auto", "stored", "dequantized"]
 
 # A replica's KV budget (speculative/engine/kv_budget.py): the router admits a sequence only when its prompt
-# plus max_tokens fits in what is left of it, and no window larger than it is advertised.
+# plus max_tokens fits in what is left of it, and no window larger than it is advertised; the replica's runners
+# draw their KV buffers from one pool sized to it (speculative/engine/kv_pool.py).
 KvBudgetTokens = Annotated[
     int | None,
     Field(
@@ -31,7 +32,9 @@ KvBudgetTokens = Annotated[
         le=1 << 32,
         description="Tokens of KV cache one replica holds over all its sequences (vLLM: num_gpu_blocks_override "
         "x block_size); None: measured at start, kv_memory_fraction of the memory free after loading the weights "
-        "over the model's KV bytes per token (layers x kv_heads x head_dim x 2 x dtype bytes).",
+        "over the model's KV bytes per token (layers x kv_heads x head_dim x 2 x dtype bytes). Every runner of "
+        "the replica's process draws its KV buffers from one pool of these tokens' bytes plus a quarter for "
+        "padding rows to their group's longest (kv_budget_bytes in the router's info); a forward past it fails.",
     ),
 ]
 KvMemoryFraction = Annotated[
@@ -39,9 +42,10 @@ KvMemoryFraction = Annotated[
     Field(
         gt=0,
         le=1,
-        description="With kv_budget_tokens None: the share of the memory free after loading the weights (the "
-        "GPU's, or the host's available memory on a CPU) given to KV; the rest is headroom for activations, "
-        "the runner's padding of rows to their group's longest, and other processes sharing the device.",
+        description="With kv_budget_tokens None: the share of the memory free after loading the weights given to "
+        "KV tokens (the GPU's free memory; on a CPU the host's available memory, or less where the process's "
+        "cgroup, a container's, has a memory limit: its limit less its usage). The KV pool takes a quarter more "
+        "for padding; the rest is headroom for activations and other processes sharing the device.",
     ),
 ]
 

@@ -1,7 +1,9 @@
 """A draft replica: proposes token trees for a lane's micro-batch on one draft model.
 
 Holds only soft state: a drafter (with its KV cache) per group key; every request carries the
-sequence's committed tokens, so a replica that restarted or never saw a sequence re-prefills it.
+sequence's committed tokens, so a replica that restarted or never saw a sequence re-prefills it. The
+drafters' caches draw on one KV pool (speculative/engine/kv_pool.py); a call past it fails, and its
+lane decodes without drafts for a while (a full draft replica costs speculation, not requests).
 Calls are serialized (one model, one compute stream) and run in a thread so the replica keeps
 answering Serve's health and metrics probes while it computes.
 """
@@ -22,8 +24,9 @@ from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.wire import Drafted, DraftInfo, Stopwatch, WireProposal
 from speculative.drafters.base import Drafter, DraftRequest, empty_proposal
-from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
+from speculative.engine.kv_budget import kv_budget_tokens, kv_bytes_per_token, max_model_len
 from speculative.engine.kv_cache import preallocated
+from speculative.engine.kv_pool import KvPool
 
 
 class DraftWorker:
@@ -36,10 +39,12 @@ class DraftWorker:
         self.target_vocab = vocab_size_of(config.target_model, resolve)
         self.grammars = load_grammars(config.model.path, resolve) if config.model is not None else None
         self.limits = DraftInfo(None, None)  # a drafter without a model holds no KV
+        self.pool: KvPool | None = None  # every group's drafter draws its KV buffers from it
         if self.model is not None:
             m = self.model
             budget = kv_budget_tokens(config.kv_budget_tokens, config.kv_memory_fraction, m.config, m.dtype, m.device)
             self.limits = DraftInfo(max_model_len(m.config), budget)
+            self.pool = KvPool(budget, kv_bytes_per_token(m.config, m.dtype), "draft_pool.kv_budget_tokens")
         self._caches: GroupCaches[Drafter | None] = GroupCaches(self._new_drafter, config.idle_evict_s)
         self._lock = threading.Lock()  # one forward at a time on the shared model
         self._busy = BusyMeter()
@@ -52,7 +57,7 @@ class DraftWorker:
         window, budget = self.limits.max_model_len, self.limits.kv_budget_tokens
         reserve = preallocated(budget, window) if window is not None and budget is not None else None
         graphs = self.config.model.graphs if self.config.model is not None else "off"
-        return self.config.drafter.build(self.model, self.target_vocab, self.grammars, reserve, graphs)
+        return self.config.drafter.build(self.model, self.target_vocab, self.grammars, reserve, graphs, self.pool)
 
     async def propose(
         self, cache_key: str, requests: list[DraftRequest], release: list[str], lane: str | None = None
@@ -112,6 +117,8 @@ class DraftWorker:
             "groups": groups,
             "sequences": sequences,
             "kv_budget_tokens": self.limits.kv_budget_tokens,
+            "kv_budget_bytes": None if self.pool is None else self.pool.capacity,
+            "kv_held_bytes": 0 if self.pool is None else self.pool.held(),
             "calls": self._calls,
             **where(),
         }

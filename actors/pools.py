@@ -15,6 +15,8 @@ from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from speculative.engine.kv_pool import KvPoolFull
+
 
 class ReplicaLost(RuntimeError):
     """An in-process pool's replica went away (tests); Serve pools raise Ray's own errors."""
@@ -31,9 +33,14 @@ def verify_failure(error: BaseException | None) -> str:
 
     A shard that Ray's memory monitor killed mid-forward raises OutOfMemoryError, which is not a lost
     replica: the same forward on the replacement would run out of memory again, so it is not retried.
+    A forward past its shard's KV pool (`KvPoolFull`) says so, with the pool's numbers.
     """
     if isinstance(error, OutOfMemoryError):
         return "out of memory: Ray's memory monitor killed the target shard running this batch (not retried)"
+    if isinstance(error, KvPoolFull):
+        while isinstance(cause := getattr(error, "cause", None), KvPoolFull) and cause is not error:
+            error = cause  # the shard's own, under Ray's wrappers (whose text is a traceback)
+        return f"out of KV memory: {error}"
     return "target pool unavailable"
 
 

@@ -143,7 +143,8 @@ class Router:
     async def info(self) -> dict[str, Any]:
         """The target's vocab_size, eos_ids and model; `context_window`: most prompt + max_tokens one request may
         have (the model's window, or less where a replica's KV budget is smaller), and `context_limit` names what
-        sets it (with its config key)."""
+        sets it (with its config key); a target replica's KV budget in tokens and the most bytes its KV buffers
+        hold (`kv_budget_bytes`, its KV pool)."""
         info = await self._target_info()
         assert self._window is not None, "set with the target's info"
         return {
@@ -153,6 +154,7 @@ class Router:
             "context_window": self._window.tokens,
             "context_limit": self._window.limit,
             "kv_budget_tokens": info.kv_budget_tokens,
+            "kv_budget_bytes": info.kv_budget_bytes,
         }
 
     # ---- admission -----------------------------------------------------------------------

@@ -200,8 +200,10 @@ class TargetReplica:
         """Rank 0's model facts, with the smallest shard's KV budget (each shard measured its own memory)."""
         if self._info is None:
             infos: list[TargetInfo] = await self.shards.call("info")
-            budget = min(i.kv_budget_tokens for i in infos)
-            self._info = dataclasses.replace(infos[0], kv_budget_tokens=budget)
+            smallest = min(infos, key=lambda i: i.kv_budget_tokens)
+            self._info = dataclasses.replace(
+                infos[0], kv_budget_tokens=smallest.kv_budget_tokens, kv_budget_bytes=smallest.kv_budget_bytes
+            )
         return self._info
 
     async def _kv(self) -> KvLedger:
@@ -214,6 +216,7 @@ class TargetReplica:
         """The replica and its shards; `sequences`: sequences whose KV rank 0 holds (all ranks hold the same)."""
         async with self._lock:  # between verify calls: the caches are settled
             shards = await self.shards.call("describe")
+        info = await self.info()
         return {
             "role": "target",
             "replica": self.tag,
@@ -221,7 +224,9 @@ class TargetReplica:
             "calls": self._calls,
             "disagreements": self._disagreements,
             "sequences": shards[0]["sequences"],
-            "kv_budget_tokens": (await self.info()).kv_budget_tokens,
+            "kv_budget_tokens": info.kv_budget_tokens,
+            "kv_budget_bytes": info.kv_budget_bytes,  # per shard
+            "kv_held_bytes": max(s["kv_held_bytes"] for s in shards),  # in the fullest shard's KV pool
             "kv_reserved_tokens": (await self._kv()).held,
             "kv_reserved_sequences": len(await self._kv()),
             "shards": shards,

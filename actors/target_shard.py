@@ -33,8 +33,9 @@ from speculative.drafters.heads import TreeHeads
 from speculative.engine.captured import TREE_ROOM, graphs_on, runner_for
 from speculative.engine.cores import borrowing
 from speculative.engine.invariant import make_deterministic
-from speculative.engine.kv_budget import kv_budget_tokens, max_model_len
+from speculative.engine.kv_budget import kv_budget_tokens, kv_bytes_per_token, max_model_len
 from speculative.engine.kv_cache import preallocated
+from speculative.engine.kv_pool import KvPool
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.planning.chunking import Sizing
@@ -62,6 +63,7 @@ class TargetShard:
             self._borrow = (*own, *config.borrow_cores) if config.borrow_cores else ()
         self._verifiers: GroupCaches[TargetVerifier] | None = None
         self._info: TargetInfo | None = None
+        self._pool: KvPool | None = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the group rendezvous: this node's address and a free port."""
@@ -93,27 +95,29 @@ class TargetShard:
         budget = kv_budget_tokens(
             self.config.kv_budget_tokens, self.config.kv_memory_fraction, config, model.dtype, model.device, world
         )
+        # Every group's runner draws its KV buffers from this one pool, sized to the budget.
+        token_bytes = kv_bytes_per_token(config, model.dtype, world)
+        pool = self._pool = KvPool(budget, token_bytes, "target_pool.kv_budget_tokens")
         # Eviction is the replica's decision (see the module docstring): the shard never expires keys.
         chunk = self.config.prefill_chunk_tokens
         window = max_model_len(config)
         reserve = preallocated(budget, window)
         graphs = self.config.model.graphs if world == 1 else "off"  # TP shards: DeepSpeed's forward, op by op
         if graphs_on(graphs, model):  # each group's cache is fixed at `reserve`: the window advertised is what it holds
-            # (the per-group share the growing caches start from, so that a shard's groups never outgrow its
-            # memory together; one pool per replica would let a sequence use the whole budget)
+            # (a fixed cache cannot grow into the pool: each group's is taken from it whole, at `reserve`)
             window = min(window, reserve[1] - TREE_ROOM)
         grammars = load_grammars(self.config.model.path, self._resolve)  # shared by the groups: soft state by seq id
         heads = self._heads(model)
 
         def verifier() -> TargetVerifier:
-            runner = runner_for(model, graphs, reserve, lean=True)  # the same bits, fewer calls
+            runner = runner_for(model, graphs, reserve, lean=True, pool=pool)  # lean: the same bits, fewer calls
             return TargetVerifier(runner, chunk, eos, grammars, heads(runner) if heads is not None else None)
 
         if graphs_on(graphs, model):
             verifier()  # every bucket compiled now, at the replica's start (later groups' captures hit its caches)
         self._verifiers = GroupCaches(verifier, float("inf"))
         vocab = TargetVerifier(ModelRunner(model)).vocab_size
-        self._info = TargetInfo(vocab, eos, self.config.model.path, window, budget)
+        self._info = TargetInfo(vocab, eos, self.config.model.path, window, budget, pool.capacity)
         freeze_heap()
         return self._info
 
@@ -164,4 +168,12 @@ class TargetShard:
     def describe(self) -> dict[str, Any]:
         owners = [] if self._verifiers is None else self._verifiers.owners()
         sequences = sum(v.cached_sequences() for v in owners)
-        return {"role": "target_shard", "rank": self.rank, "groups": len(owners), "sequences": sequences, **where()}
+        held = 0 if self._pool is None else self._pool.held()
+        return {
+            "role": "target_shard",
+            "rank": self.rank,
+            "groups": len(owners),
+            "sequences": sequences,
+            "kv_held_bytes": held,  # what every group's KV buffers hold together (within the info's kv_budget_bytes)
+            **where(),
+        }

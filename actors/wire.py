@@ -126,6 +126,7 @@ class TargetInfo:
     model: str
     max_model_len: int  # the model's own window (max_position_embeddings)
     kv_budget_tokens: int  # KV tokens the replica holds over all its sequences (speculative/engine/kv_budget.py)
+    kv_budget_bytes: int  # most bytes a shard's runners' KV buffers hold together: its pool (engine/kv_pool.py)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from speculative.drafters.lookup import PromptLookupDrafter
 from speculative.drafters.medusa import DEFAULT_CHOICES, MedusaHeads, MedusaTrees, check_choices, load_medusa
 from speculative.drafters.model import DraftModelDrafter, DraftShape
 from speculative.engine.captured import runner_for
+from speculative.engine.kv_pool import KvPool
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.rules.grammar import GrammarCompiler
@@ -50,6 +51,7 @@ class DraftInputs(NamedTuple):
     grammars: GrammarCompiler | None  # the draft tokenizer's grammar compiler, masking q (None: unmasked)
     reserve: tuple[int, int] | None  # the draft KV cache's (rows, columns) at start (ModelRunner)
     graphs: str = "off"  # captured forwards of the draft model (`engine.captured.runner_for`)
+    pool: KvPool | None = None  # the draft replica's KV pool its runners draw on (None: unbounded)
 
 
 class DrafterKind(BaseModel):
@@ -94,11 +96,13 @@ class DrafterKind(BaseModel):
         grammars: GrammarCompiler | None = None,
         reserve: tuple[int, int] | None = None,
         graphs: str = "off",
+        pool: KvPool | None = None,
     ) -> Drafter | None:
         """The drafter of a draft replica or an in-process decoder (None: plain decoding). `grammars`: the
         draft tokenizer's grammar compiler, masking the draft model's q (None: unmasked); `reserve`: the
-        draft KV cache's (rows, columns) at start (ModelRunner); `graphs`: the model's `graphs` setting."""
-        return self._drafter(DraftInputs(draft_model, target_vocab, grammars, reserve, graphs))
+        draft KV cache's (rows, columns) at start (ModelRunner); `graphs`: the model's `graphs` setting;
+        `pool`: the replica's KV pool (`engine.kv_pool`)."""
+        return self._drafter(DraftInputs(draft_model, target_vocab, grammars, reserve, graphs, pool))
 
     def _drafter(self, given: DraftInputs) -> Drafter | None:
         """This kind's drafter of `given` (None: plain decoding)."""
@@ -155,7 +159,8 @@ class DraftModelKind(DrafterKind):
         if given.draft_model is None:
             raise ValueError(f"drafter kind {self.kind!r} needs a draft model")
         return DraftModelDrafter(
-            runner_for(given.draft_model, given.graphs, given.reserve, lean=True),  # a draft's forwards: a few tokens
+            # lean: a draft's forwards are a few tokens
+            runner_for(given.draft_model, given.graphs, given.reserve, lean=True, pool=given.pool),
             given.target_vocab,
             DraftShape(self.tree_width, self.tree_nodes, self.sampled),
             eos_ids=eos_ids_of(given.draft_model),

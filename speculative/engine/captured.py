@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculative.engine.kv_cache import PREALLOCATED_ROWS, PREALLOCATED_TOKENS, SlotCache, bucketed
+from speculative.engine.kv_cache import PREALLOCATED_ROWS, PREALLOCATED_TOKENS, Shape, SlotCache, bucketed
+from speculative.engine.kv_pool import KvPool
 from speculative.engine.lean_stack import lean_stack, run_layers
 from speculative.engine.runner import ModelRunner, Step
 
@@ -92,6 +93,9 @@ class FixedCache(SlotCache):
                 f"{rows} rows x {cols} columns do not fit the captured KV cache "
                 f"({self.slots} rows x {self.capacity} columns, fixed at start)"
             )
+
+    def cells(self) -> int:
+        return (self.slots + 1) * self.capacity  # the scratch slot's too
 
     @property
     def scratch(self) -> int:
@@ -191,16 +195,19 @@ class CapturedRunner(ModelRunner):
         columns: int,
         buckets: Buckets = Buckets(),
         compiler: Compiler | None = None,
+        pool: KvPool | None = None,
     ) -> None:
-        """`rows` x `columns`: the KV cache, fixed (most sequences, most tokens each, trees included).
-        `compiler`: how each bucket's step is compiled (`default_compiler` of the model's device)."""
-        super().__init__(model)
+        """`rows` x `columns`: the KV cache, fixed (most sequences, most tokens each, trees included), taken
+        whole from `pool` (`KvPool.take`: KvPoolFull where it has no room). `compiler`: how each bucket's step
+        is compiled (`default_compiler` of the model's device)."""
+        super().__init__(model, pool=pool)
         stack = lean_stack(self._base)
         if stack is None:
             raise ValueError(f"{type(self._base).__name__}: captured forwards know Llama and Qwen2 stacks only")
         stack_layers: Any = self._base.layers
         layers = [(a.config.num_key_value_heads, a.head_dim) for a in (layer.self_attn for layer in stack_layers)]
         like = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._granted([(rows + 1, bucketed(columns))])  # the whole cache, its scratch slot too, or KvPoolFull
         self.cache = self.fixed = FixedCache(model.config, rows, columns, layers, like)
         self.buckets = buckets.within(rows)
         self._step = _step_function(self._base, self.fixed)
@@ -224,6 +231,12 @@ class CapturedRunner(ModelRunner):
             inputs = _Inputs.make(rows, tokens, self.cache.capacity, self.dtype, self.device)
             found = self._graphs[(rows, tokens)] = (inputs, self._compiler(_own_code(self._step, rows, tokens)))
         return found
+
+    def _room(self, rows: int, cols: int) -> None:
+        self.cache.reserve(rows, cols)  # fixed: a ValueError past it
+
+    def trim(self) -> None:
+        """Nothing: the graphs write the fixed cache in place."""
 
     def _execute(self, step: Step) -> torch.Tensor:  # [T, H]
         batch, n = step.tokens.shape
@@ -297,15 +310,17 @@ def graphs_on(graphs: str, model: Any) -> bool:
 def runner_for(
     model: Any,
     graphs: str = "off",
-    reserve: tuple[int, int] | None = None,
+    reserve: Shape | None = None,
     lean: bool = False,
     compiler: Compiler | None = None,
+    pool: KvPool | None = None,
 ) -> ModelRunner:
     """The runner of a replica's model: a `CapturedRunner` over a cache of `reserve` (rows, columns), its
-    buckets compiled here, where `graphs_on`; else a `ModelRunner` (growing from `reserve`)."""
+    buckets compiled here, where `graphs_on`; else a `ModelRunner` (growing from `reserve`). Either draws its
+    cache from `pool`, the process's KV pool (None: unbounded)."""
     if not graphs_on(graphs, model):
-        return ModelRunner(model, reserve, lean=lean)
+        return ModelRunner(model, reserve, lean=lean, pool=pool)
     rows, columns = reserve if reserve is not None else (PREALLOCATED_ROWS, PREALLOCATED_TOKENS // PREALLOCATED_ROWS)
-    runner = CapturedRunner(model, rows, columns, compiler=compiler)
+    runner = CapturedRunner(model, rows, columns, compiler=compiler, pool=pool)
     runner.capture()
     return runner

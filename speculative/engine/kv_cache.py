@@ -15,10 +15,12 @@ Example, one row, lens 5, a tree verified as speculative columns 0..3 with paren
 the accepted path [0, 2] keeps column 5 in place and moves column 7 to 6; lens becomes 7.
 
 Buffers are made at the first forward, from its keys (tensor-parallel shards hold fewer heads
-than the config says), sized to `reserve`'s rows and columns, and grow by doubling when a forward
-needs more (a rare copy, never a per-step one, but a stall: fresh memory is paged in as it is
-written, ~10 ms for 16 MB on a CPU). Replicas reserve up front (`preallocated`), so a long prompt
-joining a running batch does not grow them mid-stream.
+than the config says), at the cache's rows and columns (`slots` x `capacity`), and are resized to the
+shape the runner asks for (`resize`): at least double when a forward needs more (a rare copy, never a
+per-step one, but a stall: fresh memory is paged in as it is written, ~10 ms for 16 MB on a CPU), or
+exactly what it needs where a replica's KV pool has no room for double (`kv_pool`), and shrunk to what
+the rows use when the pool reclaims. Replicas reserve up front (`preallocated`) where their pool has
+room, so a long prompt joining a running batch does not grow them mid-stream.
 Views are `BUCKET` columns wide multiples, so a decode's shapes change only every BUCKET tokens.
 """
 
@@ -31,6 +33,7 @@ import torch
 from transformers import DynamicCache
 
 BUCKET = 32  # view widths are multiples of this many columns
+Shape = tuple[int, int]  # (slots, columns) of the buffers
 PREALLOCATED_ROWS = 8  # rows a replica's cache is made with
 PREALLOCATED_TOKENS = 16_384  # most tokens (rows x columns) it is made with: 460 MB for Qwen2.5-1.5B in bf16
 
@@ -60,21 +63,38 @@ class SlotCache(DynamicCache):
 
     def reserve(self, rows: int, cols: int) -> None:
         """Make room for `rows` rows of `cols` columns: at least double when growing."""
-        if rows <= self.slots and cols <= self.capacity:  # every forward asks: nothing to walk
-            return
-        if rows > self.slots:
-            self.slots = max(rows, 2 * self.slots)
-        if cols > self.capacity:
-            self.capacity = bucketed(max(cols, 2 * self.capacity))
-        for store in (self.keys, self.values):
-            for layer, buf in store.items():
-                store[layer] = self._grown(buf)
+        if not self.holds(rows, cols):  # every forward asks: nothing to walk
+            self.resize(*self.doubled(rows, cols))
 
-    def _grown(self, buf: torch.Tensor) -> torch.Tensor:  # [slots, capacity, kv, D]
-        if buf.shape[0] >= self.slots and buf.shape[1] >= self.capacity:
+    def holds(self, rows: int, cols: int) -> bool:
+        return rows <= self.slots and cols <= self.capacity
+
+    def doubled(self, rows: int, cols: int) -> Shape:
+        """The shape growing to `rows` x `cols` takes: each dimension that grows, at least doubled."""
+        slots = max(rows, 2 * self.slots) if rows > self.slots else self.slots
+        capacity = bucketed(max(cols, 2 * self.capacity)) if cols > self.capacity else self.capacity
+        return slots, capacity
+
+    def cells(self) -> int:
+        """(slot, column) cells the buffers hold (made at the first forward): what a KV pool counts."""
+        return self.slots * self.capacity
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Buffers of exactly `rows` slots of `cols` columns (a BUCKET multiple), keeping what fits of the old
+        (a shrink keeps the first rows and columns: callers shrink only past what their rows use)."""
+        self.slots, self.capacity = rows, cols
+        for store in (self.keys, self.values):
+            if rows * cols == 0:
+                store.clear()  # made again at the next forward
+            for layer, buf in store.items():
+                store[layer] = self._resized(buf)
+
+    def _resized(self, buf: torch.Tensor) -> torch.Tensor:  # [slots, capacity, kv, D]
+        if tuple(buf.shape[:2]) == (self.slots, self.capacity):
             return buf
         new = buf.new_zeros(self.slots, self.capacity, *buf.shape[2:])
-        new[: buf.shape[0], : buf.shape[1]] = buf
+        rows, cols = min(self.slots, buf.shape[0]), min(self.capacity, buf.shape[1])
+        new[:rows, :cols] = buf[:rows, :cols]
         return new
 
     def index(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # [T] each -> [T]
@@ -120,10 +140,10 @@ class SlotCache(DynamicCache):
         return sum(b.numel() * b.element_size() for s in (self.keys, self.values) for b in s.values())
 
 
-def preallocated(budget_tokens: int, window: int) -> tuple[int, int]:
-    """(rows, columns) a replica reserves at start: PREALLOCATED_ROWS rows, each as long as the window,
-    the KV budget or PREALLOCATED_TOKENS / PREALLOCATED_ROWS allow, whichever is least (a measured
-    budget can be half the free memory: the reservation stays a fixed, small share of it)."""
+def preallocated(budget_tokens: int, window: int) -> Shape:
+    """(rows, columns) each runner of a replica asks for at start, granted where its KV pool has room
+    (`kv_pool.KvPool.take`): PREALLOCATED_ROWS rows, each as long as the window, the KV budget or
+    PREALLOCATED_TOKENS / PREALLOCATED_ROWS allow, whichever is least."""
     cols = min(window, budget_tokens, PREALLOCATED_TOKENS // PREALLOCATED_ROWS)
     return PREALLOCATED_ROWS, bucketed(max(cols, 1))
 

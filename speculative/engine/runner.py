@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from speculative.engine.kv_cache import SlotCache, Write, bucketed
+from speculative.engine.kv_cache import Shape, SlotCache, Write, bucketed
+from speculative.engine.kv_pool import KvPool
 from speculative.engine.lean_stack import lean_stack
 from speculative.engine.packing import ATTENTION, Packing, row_offsets
 
@@ -63,12 +64,19 @@ class Step:
 class ModelRunner:
     """Batched prefill, decode and tree verification with commit/rollback, for any HF causal LM."""
 
-    def __init__(self, model: PreTrainedModel, reserve: tuple[int, int] | None = None, lean: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        reserve: Shape | None = None,
+        lean: bool = False,
+        pool: KvPool | None = None,
+    ) -> None:
         """Sets the model's attention to `packing.ATTENTION` (SDPA, packed-aware; other callers of the
         model, e.g. `generate`, get plain SDPA through it). `reserve`: (rows, columns) the KV cache is
-        made with at the first forward (`kv_cache.preallocated`); None: it grows as needed. `lean`: run
-        the stack as `lean_stack` does where it knows the architecture (the same hidden states, fewer calls:
-        a draft model's forwards of a few tokens)."""
+        made with at the first forward (`kv_cache.preallocated`), where `pool` has room; None: it grows as
+        needed. `lean`: run the stack as `lean_stack` does where it knows the architecture (the same hidden
+        states, fewer calls: a draft model's forwards of a few tokens). `pool`: the process's KV pool the
+        cache draws its buffers from (`kv_pool`); None: unbounded."""
         model.set_attn_implementation(ATTENTION)
         self.model = model.eval()
         self._base = model.base_model  # the transformer stack, without the LM head
@@ -82,8 +90,11 @@ class ModelRunner:
         self.lens = np.zeros(0, dtype=np.int64)  # [B] committed tokens in cache
         self.cached: list[list[int]] = []  # committed token ids in cache, per row
         self.cache = SlotCache(model.config)
+        self.pool = pool
+        if pool is not None:
+            pool.join(self)
         if reserve is not None:
-            self.cache.reserve(*reserve)
+            self.cache.resize(*self._granted([reserve, (0, 0)]))
         self.spec = _Speculative.empty(0)
 
     # ---- rows -------------------------------------------------------------------------
@@ -102,7 +113,7 @@ class ModelRunner:
         if duplicates:
             raise ValueError(f"sequence ids already in the batch or repeated: {seq_ids}")
         n = len(seq_ids)
-        self.cache.reserve(len(self.rows) + n, self.cache.capacity)
+        self._room(len(self.rows) + n, 0)  # slots for them, the columns as they are
         self.rows += seq_ids
         self.lens = np.concatenate([self.lens, np.zeros(n, dtype=np.int64)])
         self.cached += [[] for _ in seq_ids]
@@ -112,7 +123,34 @@ class ModelRunner:
         """Room for every row to reach `columns` tokens (committed + speculative) without the cache
         growing: a joining prompt's length, known at its first forward, costs one growth, not one
         per doubling while its chunks are prefilled."""
-        self.cache.reserve(len(self.rows), bucketed(columns))
+        self._room(len(self.rows), bucketed(columns))
+
+    def _room(self, rows: int, cols: int) -> None:
+        """The cache holds `rows` x `cols`: grown at least double where the pool has room, else to exactly that
+        and what the rows use (slots and columns they left behind are not kept)."""
+        if not self.cache.holds(rows, cols):
+            used_rows, used_cols = self._in_use()
+            least = max(rows, used_rows), max(bucketed(cols), used_cols)
+            self.cache.resize(*self._granted([self.cache.doubled(rows, cols), least]))
+
+    def _granted(self, shapes: list[Shape]) -> Shape:
+        """The first of `shapes` the pool grants (`KvPool.take`); without a pool, the first."""
+        return shapes[0] if self.pool is None else self.pool.take(self, shapes)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the cells the pool granted this runner's cache (its buffers are made at that shape)."""
+        return self.cache.cells() * (self.pool.token_bytes if self.pool is not None else 0)
+
+    def trim(self) -> None:
+        """Shrink the cache to the rows and columns its sequences use now, speculative ones included (the
+        pool reclaiming room for another runner's forward; never during this runner's own)."""
+        rows, cols = self._in_use()
+        if rows < self.cache.slots or cols < self.cache.capacity:
+            self.cache.resize(rows, cols)  # no rows: no buffers
+
+    def _in_use(self) -> Shape:
+        """The rows and (bucketed) columns the sequences' KV fills, speculative columns included."""
+        return len(self.rows), bucketed(self.width + self.spec.tokens.shape[1])
 
     def remove_rows(self, seq_ids: list[str]) -> None:
         """Drop sequences and their KV. Requires no pending speculation.
@@ -197,7 +235,7 @@ class ModelRunner:
         """One forward of `step` over the cache as it grows: attention over the bucketed width in use."""
         batch, n = step.tokens.shape
         width = bucketed(self.width + step.start + n)  # attended columns: every row's committed + speculative
-        self.cache.reserve(batch, width)
+        self._room(batch, width)
         mask = self._attention_mask(step.start, n, width)  # [B, 1, n, width]
         rows, columns = step.cells(self.lens)
         index = self.cache.index(torch.from_numpy(rows), torch.from_numpy(columns))  # [T]

@@ -3,8 +3,9 @@
 The target replica has a small configured KV budget. A prompt filling the advertised window is
 prefilled while four streams on the same replica keep their pace; a request over the window is
 refused naming the limit; one that must wait for room is refused as overloaded (HTTP 429) and
-served once room is back; and no reservation outlives its sequence: finished, cancelled mid-stream,
-cancelled while being admitted, or failed.
+served once room is back; no reservation outlives its sequence: finished, cancelled mid-stream,
+cancelled while being admitted, or failed; and a group whose rows' padding passes the replica's KV pool
+fails saying so.
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
 
 
 def make(
-    pair: TinyPair, drafts: bool = True, target_pool: type[LocalPool] = LocalPool, **router_config: Any
+    pair: TinyPair,
+    drafts: bool = True,
+    target_pool: type[LocalPool] = LocalPool,
+    budget: int = BUDGET,
+    chunk: int = CHUNK,
+    **router_config: Any,
 ) -> tuple[Router, TargetReplica]:
     fp32 = {"dtype": "float32", "torch_threads": 1}
     config = TargetConfig(
-        model=ModelConfig(path=pair.target, **fp32), prefill_chunk_tokens=CHUNK, kv_budget_tokens=BUDGET
+        model=ModelConfig(path=pair.target, **fp32), prefill_chunk_tokens=chunk, kv_budget_tokens=budget
     )
     target = TargetReplica(config, shards=LocalShards([TargetShard(config, 0)]))
     draft = DraftWorker(DraftWorkerConfig(model=ModelConfig(path=pair.draft, **fp32), target_model=pair.target))
@@ -319,3 +325,27 @@ def test_a_finished_sequence_leaves_the_ledger_while_its_lane_goes_on(pair: Tiny
     during, after = asyncio.run(scenario())
     assert during == (403, 1), "the short request is released while the long one streams on"
     assert after == (0, 0)
+
+
+def test_a_group_padded_past_the_kv_pool_fails_naming_it(pair: TinyPair) -> None:
+    """Admission counts tokens; a group's KV buffers hold its rows padded to the longest. Sequences of 330 + 90 and
+    8 + 84 tokens fill a budget of 512, but in one group (no pipelining) they need 2 rows x 352 columns once the long
+    prompt is in (the verifier makes room for a whole prompt at its first forward): past the pool's 512 x 5/4 = 640
+    cells. That forward fails before allocating, both requests end saying why, and the replica holds nothing after
+    (`speculative/engine/kv_pool.py`)."""
+    router, target = make(pair, drafts=False, budget=512, chunk=256, pipelining=False)
+
+    async def scenario() -> list[BaseException | dict[str, Any]]:
+        long, short = [3 + i % 90 for i in range(330)], [5, 6, 7, 8, 9, 10, 11, 12]
+        asked = [
+            router.generate(long, GREEDY | {"max_tokens": 90}),
+            router.generate(short, GREEDY | {"max_tokens": 84}),
+        ]
+        return list(await asyncio.gather(*asked, return_exceptions=True))
+
+    outcomes = asyncio.run(scenario())
+    for outcome in outcomes:
+        assert isinstance(outcome, RuntimeError), outcome
+        assert "out of KV memory: KV pool full" in str(outcome) and "target_pool.kv_budget_tokens 512" in str(outcome)
+    assert asyncio.run(settled(target)) == (0, 0)
+    assert asyncio.run(target.describe())["kv_held_bytes"] == 0

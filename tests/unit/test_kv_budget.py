@@ -1,8 +1,10 @@
-"""The KV budget: bytes per token from a model's config, the budget measured from free memory, the ledger."""
+"""The KV budget: bytes per token from a model's config, the budget measured from free memory (the host's or its
+cgroup's), the ledger."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +36,92 @@ def test_a_measured_budget_is_the_fraction_of_free_memory_over_bytes_per_token(m
 
 def test_free_memory_of_this_host_is_positive() -> None:
     assert kv_budget.free_memory_bytes(torch.device("cpu")) > 0
+
+
+def cgroup_tree(root: Path, membership: str, files: dict[str, str]) -> Path:
+    """A fake cgroup file system under `root` (file path -> content) and a /proc/self/cgroup naming `membership`."""
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content)
+    own = root.parent / f"{root.name}-own"
+    own.write_text(membership)
+    return own
+
+
+MIB = 1 << 20
+V2 = {"cgroup.controllers": "cpu memory"}  # what marks a cgroup v2 (unified) mount
+V1_NONE = "9223372036854771712"  # cgroup v1's "no limit"
+
+# name -> (/proc/self/cgroup, files, room in MiB or None: no limit)
+CGROUPS: dict[str, tuple[str, dict[str, str], int | None]] = {
+    # a container: its own cgroup is the root; limit - (usage - inactive page cache) = 1,024 - (400 - 100)
+    "v2-container": (
+        "0::/\n",
+        V2
+        | {
+            "memory.max": f"{1024 * MIB}",
+            "memory.current": f"{400 * MIB}",
+            "memory.stat": f"inactive_file {100 * MIB}",
+        },
+        724,
+    ),
+    # a host: the process's cgroup has no limit of its own ("max"), the slice above it has: 2,048 - 1,536
+    "v2-slice": (
+        "0::/serving.slice/shard.scope\n",
+        V2
+        | {
+            "serving.slice/memory.max": f"{2048 * MIB}",
+            "serving.slice/memory.current": f"{1536 * MIB}",
+            "serving.slice/shard.scope/memory.max": "max",
+            "serving.slice/shard.scope/memory.current": f"{512 * MIB}",
+        },
+        512,
+    ),
+    "v2-max": ("0::/a\n", V2 | {"a/memory.max": "max", "a/memory.current": f"{MIB}"}, None),
+    # v1 under the "memory" line; its path is missing from the mount (a container's own cgroup is the root)
+    "v1-container": (
+        "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n",
+        {
+            "memory/memory.limit_in_bytes": f"{3072 * MIB}",
+            "memory/memory.usage_in_bytes": f"{1024 * MIB}",
+            "memory/memory.stat": f"cache {600 * MIB}\ntotal_inactive_file {24 * MIB}\n",
+        },
+        2072,
+    ),
+    "v1-no-limit": (
+        "4:memory:/process_api/xyz\n",
+        {
+            "memory/process_api/xyz/memory.limit_in_bytes": V1_NONE,
+            "memory/process_api/xyz/memory.usage_in_bytes": f"{5 * MIB}",
+            "memory/memory.limit_in_bytes": V1_NONE,
+            "memory/memory.usage_in_bytes": f"{9000 * MIB}",
+        },
+        None,
+    ),
+    "no-cgroup-fs": ("0::/\n", {}, None),
+}
+
+
+@pytest.mark.parametrize("case", CGROUPS)
+def test_cgroup_room_is_the_least_limit_less_usage_over_the_process_s_cgroups(tmp_path: Path, case: str) -> None:
+    membership, files, room = CGROUPS[case]
+    own = cgroup_tree(tmp_path / "cg", membership, files)
+    assert kv_budget.cgroup_room(tmp_path / "cg", own) == (None if room is None else room * MIB)
+
+
+def test_free_memory_on_a_cpu_is_the_host_s_or_the_cgroup_s_whichever_is_less(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = cgroup_tree(
+        tmp_path / "cg",
+        "0::/\n",
+        V2 | {"memory.max": f"{1024 * MIB}", "memory.current": f"{256 * MIB}"},
+    )
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 16_384 * MIB)
+    assert kv_budget.free_memory_bytes(cpu, tmp_path / "cg", own) == 768 * MIB  # the container's, not the host's
+    monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 512 * MIB)
+    assert kv_budget.free_memory_bytes(cpu, tmp_path / "cg", own) == 512 * MIB  # the host is fuller
 
 
 def test_the_ledger_grants_what_fits_and_returns_it_on_release() -> None:
