@@ -23,8 +23,14 @@ k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml, k8s/g
 models: setup  ## fetch + convert the real models of docs/models.md (skipped when present)
 	$(PYTHON) -m modelstore fetch qwen-1.5b qwen-0.5b smollm2-135m
 
+# The chi-square proofs of the acceptance rules are single-threaded Python (~14 CPU-minutes): they run first, on
+# every core (pytest-xdist), one torch thread each; then the rest, whose Ray clusters and timed checks want the
+# machine to themselves.
+PARALLEL_TESTS := tests/unit/test_acceptance_distribution.py
+
 test: models proto  ## the whole suite, as CI runs it
-	$(PYTHON) -m pytest -q --timeout=1800 --durations=30
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q --timeout=1800 -n auto $(PARALLEL_TESTS)
+	$(PYTHON) -m pytest -q --timeout=1800 --durations=30 $(addprefix --ignore=,$(PARALLEL_TESTS))
 
 test-fast: proto  ## unit tests only, no pretrained models
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,9 +11,19 @@ from typing import Any
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.local.demo import Streamed, app_block, merged_args, stop_local_ray, stream_chat, wait_ready
+from deploy.local.demo import DEFAULT_CONFIG, Streamed, app_block, merged_args, stop_local_ray, stream_chat, wait_ready
 
 REPO = str(Path(__file__).resolve().parents[1])  # the replicas' PYTHONPATH: they import this repository
+
+
+def served_parser(doc: str | None, max_tokens: int, port: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark of a served YAML: the YAML, tokens per stream, passes, Serve's HTTP port."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
+    parser.add_argument("--port", type=int, default=port)
+    return parser
 
 
 def shipped(config: Path | str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from bench import apps, figures, report
 from bench.round_ahead import PROMPTS as CODE_PROMPTS
-from deploy.local.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stop_local_ray
+from deploy.local.demo import Streamed, deploy_local, start_local_ray, stop_local_ray
 
 NAME = "deterministic"
 PROMPTS = {
@@ -78,11 +78,7 @@ def write(args: argparse.Namespace, runs: Runs) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
-    parser.add_argument("--port", type=int, default=8125)
+    parser = apps.served_parser(__doc__, max_tokens=64, port=8125)
     args = parser.parse_args()
     shipped = apps.shipped(args.config)
     library = apps.variant(shipped, {"target_pool": {"deterministic": "off"}})

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import apps, figures, report
 from bench.single_stream import PROMPTS as SINGLE_STREAM_PROMPTS
-from deploy.local.demo import DEFAULT_CONFIG, Streamed, deploy_local, start_local_ray, stop_local_ray, stream_chat
+from deploy.local.demo import Streamed, deploy_local, start_local_ray, stop_local_ray, stream_chat
 
 NAME = "round_ahead"
 PROMPTS = {
@@ -56,11 +56,7 @@ def first_tokens(url: str, model: str, rounds: int, max_tokens: int) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the Serve YAML (default: the shipped one)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts, mode order reversed each")
-    parser.add_argument("--port", type=int, default=8123)
+    parser = apps.served_parser(__doc__, max_tokens=64, port=8123)
     parser.add_argument(
         "--ttft-rounds", type=int, default=12, help="rounds of short on/off pairs over the prompts, timing first tokens"
     )

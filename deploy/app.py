@@ -1,7 +1,7 @@
 """The Serve application: router (ingress) -> draft pool + target pool, built from one `AppConfig`.
 
     serve run deploy/local.yaml             # or: serve run deploy.app:app_builder target_model=...
-    # gRPC: the YAML's top-level grpc_options name deploy.front.grpc_ingress.GRPC_SERVICER_FUNCTIONS
+    # gRPC: the YAML's top-level grpc_options name deploy.front.grpc_decoding.GRPC_SERVICER_FUNCTIONS
     serve deploy deploy/cluster.yaml        # on a running cluster (KubeRay: the same import path)
 
 Embedded (a laptop, a test): `serve.run(build_app(config))` after `ray.init()`.

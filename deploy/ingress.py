@@ -17,7 +17,7 @@ from actors.config import RouterConfig
 from actors.loading import Resolver, identity
 from actors.router import Router
 from deploy.front.frontdoor import FrontDoorConfig, load_front_door
-from deploy.front.grpc_ingress import GrpcIngress
+from deploy.grpc.ingress import GrpcIngress
 from deploy.openai.http_ingress import OpenAIIngress
 
 

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from actors.records import usage, with_logprobs
 from actors.router import Overloaded, collected
 from deploy.front.frontdoor import FrontDoor, FrontDoorConfig
-from deploy.front.grpc_ingress import GrpcIngress
+from deploy.grpc.ingress import GrpcIngress
 from deploy.openai.http_ingress import OpenAIIngress
 from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import drafter_config

@@ -1,7 +1,7 @@
 """The gRPC front door's methods on a plain grpc.aio server, for tests (no Serve, no Ray).
 
-`PlainServicer` hosts `GrpcIngress`'s methods and applies their status the way Serve's gRPC proxy
-does; `run_grpc` serves one on a free local port for one scenario.
+`PlainServicer` hosts `GrpcIngress`'s methods (specserve.v1.SpecServe and grpc.health.v1's Check) and applies
+their status the way Serve's gRPC proxy does; `run_grpc` serves one on a free local port for one scenario.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from deploy.front.grpc_decoding import add_servicer
-from deploy.front.grpc_ingress import GrpcIngress, GrpcStatus
+from deploy.grpc.ingress import GrpcIngress, GrpcStatus
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 
@@ -47,7 +48,8 @@ class RecordedStatus:
 
 
 class PlainServicer(pb_grpc.SpecServeServicer):
-    """`GrpcIngress` methods on a plain grpc.aio server: `add_servicer(PlainServicer(x), server)`."""
+    """`GrpcIngress` methods on a plain grpc.aio server: `add_servicer(PlainServicer(x), server)` (SpecServe and the
+    health Check, as Serve's proxy registers them)."""
 
     def __init__(self, ingress: GrpcIngress) -> None:
         self._ingress = ingress
@@ -71,6 +73,14 @@ class PlainServicer(pb_grpc.SpecServeServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return await self._ingress.Health(request, grpc_context=RecordedStatus(context))
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = RecordedStatus(context)
+        response = await self._ingress.Check(request, grpc_context=status)
+        await status.finish()
+        return response
 
 
 def run_grpc(

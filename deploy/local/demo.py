@@ -92,13 +92,17 @@ class Streamed:
     drafted: int
     accepted: int
     prompt_tokens: int = 0
+    predicted: tuple[int, int] | None = None  # with a prediction: (accepted, rejected) prediction tokens
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, speculate: bool, show: bool) -> Streamed:
+def stream_chat(
+    base_url: str, model: str, prompt: str, max_tokens: int, speculate: bool, show: bool, prediction: str | None = None
+) -> Streamed:
+    """One greedy chat streamed to its end with the `openai` client; `prediction`: sent as Predicted Outputs."""
     import openai
 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
@@ -110,7 +114,8 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, specula
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={} if speculate else {"max_draft_tokens": 0},
+        extra_body=({} if speculate else {"max_draft_tokens": 0})
+        | ({} if prediction is None else {"prediction": {"type": "content", "content": prediction}}),
     )
     for chunk in stream:
         if chunk.usage is not None:
@@ -132,7 +137,15 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, specula
         int(extra.get("draft_tokens", 0)),
         int(extra.get("accepted_tokens", 0)),
         usage.prompt_tokens if usage is not None else 0,
+        _predicted(usage),
     )
+
+
+def _predicted(usage: Any) -> tuple[int, int] | None:
+    details = getattr(usage, "completion_tokens_details", None)
+    if details is None or details.accepted_prediction_tokens is None:
+        return None
+    return int(details.accepted_prediction_tokens), int(details.rejected_prediction_tokens or 0)
 
 
 def _report(spec: Streamed, plain: Streamed) -> str:

@@ -21,6 +21,7 @@ the speculative decoding counts (`draft_tokens`, `accepted_tokens`, `acceptance_
 
 from __future__ import annotations
 
+import difflib
 import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
@@ -205,6 +206,20 @@ class TextPart(BaseModel):
 Content = Annotated[str | list[TextPart], _one_of("a string or a list of text parts ({'type': 'text', 'text': ...})")]
 
 
+def content_text(content: str | list[TextPart]) -> str:
+    """A message's (or a prediction's) content as one text: its parts joined by newlines."""
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the output is expected to repeat (a file being edited)."""
+
+    model_config = REQUEST_MODEL
+
+    type: Literal["content"] = Field(description="Only predicted content.")
+    content: Content
+
+
 class ChatMessage(BaseModel):
     model_config = REQUEST_MODEL
 
@@ -217,9 +232,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = Field(default=None, max_length=256, description="A tool's result: the call it answers.")
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return "" if self.content is None else content_text(self.content)
 
     def template_turn(self, param: str) -> dict[str, Any]:
         # The template knows the roles its model was trained with; OpenAI's `developer` is the system role.
@@ -256,6 +269,11 @@ class ChatCompletionRequest(_SamplingFields):
         default=None, description="none, auto (the default with tools), required, or {'type': 'function', ...}."
     )
     parallel_tool_calls: bool | None = Field(default=None, description="False: at most one call (default true).")
+    prediction: Prediction | None = Field(
+        default=None,
+        description="Predicted Outputs: prompt lookup drafts from this text too, so the parts of the output that "
+        "repeat it come sooner (greedy requests); the output is the same without it.",
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Variables for the chat template (e.g. enable_thinking)."
     )
@@ -364,6 +382,10 @@ def openai_to_generation(
         prompt = completion_prompt_ids(request.prompt, front.prompts, prompt_index, request.suffix)
         max_param, asked, default = "max_tokens", request.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
     window = window or front.served_window({})
+    prediction = predicted_ids(request, front)
+    if prediction is not None and len(prediction) > window.tokens:
+        message = f"prediction: {len(prediction)} tokens, more than the context window's {window.tokens}"
+        raise RequestError(message, param="prediction")
     max_tokens = fit_context(len(prompt), asked, default, window, prompt_param, max_param)
     fields = {
         "temperature": request.temperature,
@@ -382,9 +404,18 @@ def openai_to_generation(
         "ignore_eos": request.ignore_eos,
         "max_draft_tokens": request.max_draft_tokens,
         "seed": request.seed if request.seed is not None else seed,
+        "prediction": prediction,
         "grammar": request_grammar(request, front.grammars.unavailable, tools.grammar if tools else None)[0],
     }
     return prompt, sampling_params(fields)
+
+
+def predicted_ids(request: CompletionRequest | ChatCompletionRequest, front: FrontDoor) -> tuple[int, ...] | None:
+    """A chat request's `prediction` as token ids (tokenized as message text is: control-token text stays text)."""
+    prediction = getattr(request, "prediction", None)
+    if prediction is None:
+        return None
+    return tuple(front.prompts.text(content_text(prediction.content), add_special_tokens=False))
 
 
 def request_tools(request: ChatCompletionRequest, front: FrontDoor) -> ToolUse | None:
@@ -398,27 +429,53 @@ FinishReason = Literal["stop", "length", "tool_calls"] | None
 IF_NONE: dict[str, Any] = {"exclude_if": lambda v: v is None}
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's Predicted Outputs counts: of the prediction's tokens, those the output repeats and the rest."""
+
+    model_config = RESPONSE_MODEL
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
     model_config = RESPONSE_MODEL
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, **IF_NONE)
     draft_tokens: int = Field(description="Draft tokens proposed to the target for this request.")
     accepted_tokens: int = Field(description="Draft tokens the target accepted.")
     acceptance_length: float = Field(description="Tokens committed per target forward, bonus included.")
 
     @classmethod
     def from_router(cls, usage: dict[str, Any]) -> Usage:
+        """From the router's usage dict, with `predicted` (the front door's `prediction_usage`) where asked."""
         prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+        predicted = usage.get("predicted")
         return cls(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
+            completion_tokens_details=None if predicted is None else CompletionTokensDetails(**predicted),
             draft_tokens=int(usage.get("drafted", 0)),
             accepted_tokens=int(usage.get("accepted", 0)),
             acceptance_length=float(usage.get("acceptance_length", 0.0)),
         )
+
+
+def prediction_usage(usage: dict[str, Any], sampling: dict[str, Any], output: list[int]) -> dict[str, Any]:
+    """The router's usage of a choice with `predicted`, OpenAI's counts, where its request had a prediction:
+    the prediction's tokens that the output repeats, in order (difflib's matching blocks: a longest common
+    subsequence's worth), and those it does not. CPU in the lengths' product at worst: run it off the loop."""
+    prediction = sampling.get("prediction") or ()
+    if not prediction:
+        return usage
+    matcher = difflib.SequenceMatcher(None, list(prediction), output, autojunk=False)
+    accepted = sum(block.size for block in matcher.get_matching_blocks())
+    counts = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": len(prediction) - accepted}
+    return usage | {"predicted": counts}
 
 
 class SpecDecodeMetrics(BaseModel):

@@ -23,7 +23,8 @@ Serve builds this app on each replica after the constructor (`__serve_build_asgi
 routes call that replica's own `generate` / `generate_stream`, with no handle in between:
 
     from deploy.front.frontdoor import FrontDoorConfig, load_front_door
-    from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS, GrpcIngress
+    from deploy.front.grpc_decoding import GRPC_SERVICER_FUNCTIONS
+    from deploy.grpc.ingress import GrpcIngress
     from deploy.openai.http_ingress import OpenAIIngress
 
     class Ingress(OpenAIIngress, GrpcIngress, Router):  # the router, with both front doors

@@ -36,6 +36,7 @@ from deploy.openai.api import (
     SpecDecodeMetrics,
     Usage,
     new_id,
+    prediction_usage,
 )
 from deploy.openai.choices import Choice, OpenAIRequest, Plan, plan_request
 from deploy.openai.logprobs_format import TokenText, chat_logprobs, completion_logprobs
@@ -57,10 +58,12 @@ async def serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], bo
     eos = frozenset(int(t) for t in info.get("eos_ids", ()))
     detoks = {c.index: detokenizer(front, plan.request, c.sampling, eos) for c in plan.choices}
     if plan.request.stream:
-        opened = await _open(backend, plan)
+        opened = await open_choices(backend, plan)
         headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(_events(plan, front, detoks, opened), media_type="text/event-stream", headers=headers)
-    results = await _generate(backend, plan)
+    results = await generate_choices(backend, plan)
+    for c, r in zip(plan.choices, results, strict=True):
+        r["usage"] = await _counted(front, r.get("usage") or {}, c, list(r["token_ids"]))
     texts = [
         c.echo + await front.detokenize(detoks[c.index], list(r["token_ids"]), r["finish_reason"])
         for c, r in zip(plan.choices, results, strict=True)
@@ -111,23 +114,23 @@ async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _generate(backend: Backend, plan: Plan) -> list[dict[str, Any]]:
+async def generate_choices(backend: Backend, plan: Plan) -> list[dict[str, Any]]:
     """Every choice run to completion."""
     return await _all([_admitted(c, backend.generate(c.prompt_ids, c.sampling)) for c in plan.choices])
 
 
-async def _open(backend: Backend, plan: Plan) -> list[tuple[Choice, dict[str, Any], Stream]]:
+async def open_choices(backend: Backend, plan: Plan) -> list[tuple[Choice, dict[str, Any], Stream]]:
     """Each choice's stream with its first chunk: admission happens there, so its errors still get a status."""
     streams = [backend.generate_stream(c.prompt_ids, c.sampling) for c in plan.choices]
     try:
         firsts = await _all([_admitted(c, anext(s)) for c, s in zip(plan.choices, streams, strict=True)])
     except BaseException:
-        await _close_all(streams)  # the admitted ones' sequences are cancelled
+        await close_streams(streams)  # the admitted ones' sequences are cancelled
         raise
     return list(zip(plan.choices, firsts, streams, strict=True))
 
 
-async def _merged(
+async def merged_chunks(
     opened: list[tuple[Choice, dict[str, Any], Stream]],
 ) -> AsyncGenerator[tuple[Choice, dict[str, Any]], None]:
     """Each choice's chunks, its first first, in the order they come; ends once every choice has finished."""
@@ -210,6 +213,13 @@ def _full_response(
     return Completion(id=rid, created=created, model=model, choices=completions, usage=usage, metrics=metrics)
 
 
+async def _counted(front: FrontDoor, usage: dict[str, Any], choice: Choice, output: list[int]) -> dict[str, Any]:
+    """A finished choice's usage, with the Predicted Outputs counts where it had a prediction."""
+    if not choice.sampling.get("prediction"):
+        return usage
+    return await front.off_loop(prediction_usage, usage, choice.sampling, output)
+
+
 def call_reader(tools: ToolUse | None) -> HermesCalls | None:
     """A choice's reader of tool calls, where the request's tools are to be parsed."""
     return HermesCalls(tools.names, tools.parallel) if tools is not None and tools.parse else None
@@ -237,8 +247,11 @@ def summed_usage(choices: list[Choice], usages: list[dict[str, Any]]) -> Usage:
         return Usage.from_router(usages[0])
     prompts = {c.prompt_index: int(u.get("prompt_tokens", 0)) for c, u in zip(choices, usages, strict=True)}
     steps, accepted = (sum(int(u.get(key, 0)) for u in usages) for key in ("steps", "accepted"))
+    predicted = [u["predicted"] for u in usages if "predicted" in u]
+    summed = {k: sum(p[k] for p in predicted) for k in predicted[0]} if predicted else None
     return Usage.from_router(
         {
+            "predicted": summed,
             "prompt_tokens": sum(prompts.values()),
             "completion_tokens": sum(int(u.get("completion_tokens", 0)) for u in usages),
             "drafted": sum(int(u.get("drafted", 0)) for u in usages),
@@ -287,11 +300,12 @@ async def _events(
     readers = {c.index: call_reader(plan.tools) for c in plan.choices}  # chat with tools: calls out of the text
 
     usages: dict[int, dict[str, Any]] = {}
+    outputs: dict[int, list[int]] = {}  # each choice's token ids so far (for prediction counts)
     try:
         for c in plan.choices:
             if chat or c.echo:  # the role of each chat choice; the prompt of each echoed one
                 yield event([choice(c.index, c.echo, [], None, role=chat)])
-        async with contextlib.aclosing(_merged(opened)) as chunks:  # closed here: before the streams
+        async with contextlib.aclosing(merged_chunks(opened)) as chunks:  # closed here: before the streams
             async for c, chunk in chunks:
                 ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
                 text = await front.detokenize(detoks[c.index], ids, reason)
@@ -306,8 +320,10 @@ async def _events(
                     reason = finish_reason(reason, reader)
                 if text or calls or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
                     yield event([choice(c.index, text or None, ids, reason, logprobs=logprobs, calls=calls)])
+                if c.sampling.get("prediction"):
+                    outputs.setdefault(c.index, []).extend(ids)
                 if reason is not None:
-                    usages[c.index] = chunk.get("usage") or {}
+                    usages[c.index] = await _counted(front, chunk.get("usage") or {}, c, outputs.pop(c.index, []))
         if include_usage:
             every = [usages[c.index] for c in plan.choices]
             yield event([], summed_usage(plan.choices, every), request_metrics(front, every))
@@ -317,11 +333,11 @@ async def _events(
         error = RequestError(f"generation failed: {e}", status=500, type="server_error", code=code)
         yield f"data: {ErrorBody.of(error).model_dump_json()}\n\n"
     finally:
-        await _close_all([stream for _, _, stream in opened])  # on client disconnect too: the router cancels
+        await close_streams([stream for _, _, stream in opened])  # on client disconnect too: the router cancels
     yield "data: [DONE]\n\n"
 
 
-async def _close_all(streams: list[Stream]) -> None:
+async def close_streams(streams: list[Stream]) -> None:
     for stream in streams:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:

@@ -70,6 +70,13 @@ def split_lookup(
     return found, [replace(r, budget=0) if hit else r for r, hit in zip(requests, hits, strict=True)]
 
 
+def searched(tokens: Sequence[int], prediction: Sequence[int]) -> torch.Tensor:  # [P + L] int64
+    """What lookup searches: a request's predicted output (`SamplingParams.prediction`), then its sequence, whose
+    end is the n-gram matched. A match in the prediction drafts the prediction's next tokens, as one in the
+    prompt drafts the prompt's (a code edit's unchanged lines)."""
+    return torch.tensor([*prediction, *tokens], dtype=torch.long)
+
+
 class PromptLookupDrafter:
     """Deterministic chain drafts from n-gram matches in the prompt and output (Saxena 2023)."""
 
@@ -84,14 +91,14 @@ class PromptLookupDrafter:
             if req.budget <= 0:
                 out.append(empty_proposal(req))
                 continue
-            seq = torch.tensor(req.tokens, dtype=torch.long)
+            seq = searched(req.tokens, req.params.prediction)
             draft = lookup_continuation(seq, self.max_ngram, self.min_ngram, req.budget)
             out.append(behind_spine(req, Proposal(TokenTree.chain(req.tokens[-1], draft))))
         return out
 
-    def match(self, tokens: Sequence[int], length: int) -> tuple[int, int]:
+    def match(self, tokens: Sequence[int], length: int, prediction: Sequence[int] = ()) -> tuple[int, int]:
         """(the match's `run_class`, tokens a proposal of at most `length` would draft); (0, 0): no match."""
-        run, found = lookup_match(torch.tensor(tokens, dtype=torch.long), self.max_ngram, self.min_ngram, length)
+        run, found = lookup_match(searched(tokens, prediction), self.max_ngram, self.min_ngram, length)
         return run_class(run), len(found)
 
     def release(self, seq_ids: list[str]) -> None:

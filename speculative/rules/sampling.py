@@ -91,6 +91,12 @@ class SamplingParams(BaseModel):
         description="Most draft tokens per step for this request (0: plain decoding, no speculation); "
         "None: as many as the server's speculation chooses.",
     )
+    prediction: tuple[int, ...] = Field(
+        (),
+        max_length=1_000_000,
+        description="Token ids the output is expected to repeat (OpenAI's Predicted Outputs): prompt lookup drafts "
+        "from them as from the context. Drafts only: the output is the same with or without them.",
+    )
 
     @model_validator(mode="after")
     def _stops_non_empty(self) -> SamplingParams:

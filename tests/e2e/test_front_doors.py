@@ -4,7 +4,9 @@ Local Ray (CPU), a tiny Llama target with a real tokenizer and a noisy-copy draf
 the ingress with both front doors: the official `openai` client (completions and chat, streaming
 and not) and a grpcio client generated from proto/ (unary and streaming) get the target's own
 greedy tokens; malformed requests get 400 / INVALID_ARGUMENT naming the field, and the server
-answers a valid request afterwards.
+answers a valid request afterwards. Beside SpecServe, Serve's gRPC proxy serves grpc.health.v1's Check
+(as grpc_health_probe asks it) and server reflection; a chat request with n choices, log probabilities and
+sampling gets the HTTP API's tokens through both proxies.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import grpc
 import openai
 import pytest
 import torch
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_decoding import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import free_port, local_ray, merged, run_app, small_cpu_args
@@ -147,6 +152,53 @@ def test_grpc_unary_and_stream_equal_the_target(served: dict) -> None:
             assert "not a specserve.v1.GenerateRequest" in (garbage.value.details() or "")
 
     asyncio.run(bad_call())
+
+
+def test_grpc_health_v1_and_reflection_through_serves_proxy(served: dict) -> None:
+    """What `grpc_health_probe -addr=HOST:PORT` (and a Kubernetes `grpc:` probe) sends: Check, service "" and
+    "specserve.v1.SpecServe", no metadata at all: SERVING. Reflection (what grpcurl asks) lists both services and
+    describes SpecServe's methods."""
+    with grpc.insecure_channel(served["grpc"]) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specserve.v1.SpecServe"):
+            answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="other.v1.Other"), timeout=30)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+        reflection = ProtoReflectionDescriptorDatabase(channel)
+        assert {"specserve.v1.SpecServe", "grpc.health.v1.Health"} <= set(reflection.get_services())
+        methods = DescriptorPool(reflection).FindServiceByName("specserve.v1.SpecServe").methods_by_name
+        assert {"Generate", "GenerateStream", "Health"} <= set(methods)
+
+
+def test_grpc_chat_with_n_and_logprobs_equals_http_through_serves_proxies(served: dict) -> None:
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    fields = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "n": 2, "max_tokens": MAX_NEW, "presence_penalty": 0.3}
+    http = client(served).chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        logprobs=True,
+        top_logprobs=2,
+        **fields,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    sampling = pb.SamplingParams(logprobs=2, ignore_eos=True, **fields)
+    chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in messages])
+    request = pb.GenerateRequest(chat=chat, sampling=sampling, request_id="e2e-chat")
+
+    async def call() -> pb.GenerateResponse:
+        async with grpc.aio.insecure_channel(served["grpc"]) as channel:
+            return await pb_grpc.SpecServeStub(channel).Generate(request, metadata=METADATA)
+
+    answer = asyncio.run(call())
+    expected = sorted(http.choices, key=lambda c: c.index)
+    assert [list(c.token_ids) for c in answer.choices] == [c.model_extra["token_ids"] for c in expected]
+    assert [c.text for c in answer.choices] == [c.message.content for c in expected]
+    for mine, theirs in zip(answer.choices, expected, strict=True):
+        pairs = list(zip(mine.logprobs, theirs.logprobs.content, strict=True))
+        assert len(pairs) == MAX_NEW and all(abs(a.logprob - b.logprob) < 1e-5 for a, b in pairs)
+    assert answer.request_id == "e2e-chat" and answer.usage.completion_tokens == 2 * MAX_NEW
 
 
 @pytest.mark.parametrize(

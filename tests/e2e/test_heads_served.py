@@ -15,7 +15,7 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_decoding import GRPC_SERVICER_FUNCTIONS
 from speculative.drafters.eagle import save_eagle
 from speculative.drafters.medusa import save_medusa
 from tests.actors.serve_helpers import free_port, local_ray, merged, run_app, small_cpu_args

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_decoding import GRPC_SERVICER_FUNCTIONS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.actors.serve_helpers import APP, free_port, local_ray, run_app, wait_until

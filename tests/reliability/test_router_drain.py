@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from deploy.app import build_app
 from deploy.config import AppConfig
-from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_decoding import GRPC_SERVICER_FUNCTIONS
 from deploy.front.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc

@@ -100,6 +100,18 @@ def test_lookup_drafter_respects_budget_and_proposes_a_chain():
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
 
 
+def test_lookup_drafts_a_prediction_the_context_lacks_and_prefers_the_longer_quote() -> None:
+    drafter = PromptLookupDrafter(max_ngram=3)
+    predicted = SamplingParams(temperature=0.0, prediction=(7, 8, 9, 10, 11, 12))
+    tokens = (1, 2, 3, 7, 8, 9)  # the output has begun repeating the prediction
+    (prop,) = drafter.propose([DraftRequest("s", tokens, budget=3, params=predicted)])
+    assert prop.tree.tokens == (10, 11, 12)  # drafted from the prediction: the context alone has no match
+    assert drafter.match(tokens, 3, predicted.prediction) == (run_class(3), 3)
+    assert drafter.match(tokens, 3) == (0, 0)
+    (bare,) = drafter.propose([DraftRequest("s", tokens, budget=3, params=SamplingParams(temperature=0.0))])
+    assert bare.tree.size == 0
+
+
 def test_tree_structure_and_validation():
     tree = TokenTree(9, (10, 11, 12, 13), (0, 0, 1, 1))
     assert tree.children == ((1, 2), (3, 4), (), (), ())

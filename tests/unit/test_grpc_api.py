@@ -1,18 +1,23 @@
-"""The gRPC front door (specserve.v1.SpecServe) on a plain grpc.aio server over the tiny real router.
+"""The gRPC front door (specserve.v1.SpecServe, grpc.health.v1's Check) on a plain grpc.aio server over the tiny
+real router.
 
 Serve's gRPC proxy calls the same `GrpcIngress` methods; here `PlainServicer` (tests/grpc_helpers.py)
 hosts them and applies their status the way the proxy does. Needs the generated stubs (`make proto`).
+tests/unit/test_grpc_http_parity.py holds every sampling field against the HTTP API's answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.front.grpc_decoding import add_servicer
-from deploy.front.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from deploy.front.grpc_decoding import GRPC_SERVICER_FUNCTIONS, add_servicer
+from deploy.grpc.ingress import SERVICE
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, tiny_pair, tiny_tokenizer
@@ -186,3 +191,143 @@ def test_bytes_that_are_not_a_request_get_invalid_argument(ingress: TinyIngress)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
         assert "not a specserve.v1.GenerateRequest" in (error.details() or "")
     assert len(after.token_ids) == 2
+
+
+def chat_request(*messages: tuple[str, str], **chat: Any) -> pb.GenerateRequest:
+    conversation = pb.Chat(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages], **chat)
+    return pb.GenerateRequest(chat=conversation, sampling=pb.SamplingParams(temperature=0.0, max_tokens=3))
+
+
+STRUCT = Struct()
+STRUCT.update({"tools": []})  # a name the template render takes itself
+CHAT_BAD = [  # (case, request, what the details start with): the field by its proto path
+    ("no-messages", chat_request(), "chat.messages: "),
+    ("unknown-role", chat_request(("robot", "hi")), "chat.messages.[0].role: "),
+    (
+        "template-variable",
+        chat_request(("user", "hi"), chat_template_kwargs=STRUCT),
+        "chat.chat_template_kwargs.tools: ",
+    ),
+    (
+        "continue-and-open",
+        chat_request(("user", "hi"), ("assistant", "one"), continue_final_message=True),
+        "chat.continue_final_message: ",
+    ),
+    ("request-id-too-long", pb.GenerateRequest(text="hi", request_id="x" * 257), "request_id: at most 256"),
+    (
+        "grammar-without-masks",  # the tiny WordLevel tokenizer has no byte decoder llguidance can read
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(structured_outputs=pb.StructuredOutputs(regex="a+"))),
+        "sampling.structured_outputs: structured output is not available",
+    ),
+    ("top-k-beyond", greedy([5, 6], 4, top_k=2_000_000), "sampling.top_k: "),
+    ("stop-token-beyond", greedy([5, 6], 4, stop_token_ids=[2**31]), "sampling.stop_token_ids.[0]: "),
+    (
+        "bias-not-finite",
+        greedy([5, 6], 4, logit_bias={7: float("inf")}),
+        "sampling.logit_bias.7: input should be a finite",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "words"), [b[1:] for b in CHAT_BAD], ids=[b[0] for b in CHAT_BAD])
+def test_chat_and_new_fields_are_refused_naming_their_proto_path(
+    ingress: TinyIngress, request_: pb.GenerateRequest, words: str
+) -> None:
+    async def scenario(stub: pb_grpc.SpecServeStub) -> list[grpc.aio.AioRpcError]:
+        errors = []
+        for call in (stub.Generate(request_, metadata=AUTH), _drain(stub.GenerateStream(request_, metadata=AUTH))):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            errors.append(e.value)
+        return errors
+
+    for error in run_grpc(ingress, scenario):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and (error.details() or "").startswith(words), error
+
+
+def test_a_chat_prompt_is_the_rendered_template_and_ids_are_drawn(ingress: TinyIngress, models, tokenizer) -> None:
+    """A `chat` prompt runs on the chat template's rendering (greedy: the target's own tokens for it); a request
+    without an id gets one drawn, on every message."""
+    request = chat_request(("system", "one two three"), ("user", "hello there !"))  # no <unk>: HF would mask it
+    request.sampling.ignore_eos, request.sampling.max_tokens = True, 6
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "one two three"}, {"role": "user", "content": "hello there !"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt = tokenizer.encode(str(rendered), add_special_tokens=False)
+
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[pb.GenerateResponse, list[pb.GenerateStreamResponse]]:
+        return await stub.Generate(request, metadata=AUTH), await _drain(stub.GenerateStream(request, metadata=AUTH))
+
+    unary, stream = run_grpc(ingress, scenario)
+    assert list(unary.token_ids) == reference_greedy(models[0], prompt, 6)
+    assert unary.usage.prompt_tokens == len(prompt)
+    assert unary.request_id.startswith("req-") and len(unary.request_id) == 36
+    assert len({m.request_id for m in stream}) == 1 and stream[0].request_id not in ("", unary.request_id)
+
+
+def test_grpc_health_v1_check_answers_as_grpc_health_probe_asks(
+    ingress: TinyIngress, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `grpc_health_probe -addr=...` (and a Kubernetes `grpc:` probe) does: Check with service "" and with the
+    service's name, no API key; SERVING while the target pool answers, NOT_SERVING while it is silent. An unknown
+    service is NOT_FOUND; Watch is UNIMPLEMENTED (only Check is registered)."""
+
+    async def scenario(channel: grpc.aio.Channel) -> dict[str, Any]:
+        stub = health_pb2_grpc.HealthStub(channel)
+        answers: dict[str, Any] = {s: await stub.Check(health_pb2.HealthCheckRequest(service=s)) for s in ("", SERVICE)}
+        for name, call in (
+            ("unknown", stub.Check(health_pb2.HealthCheckRequest(service="other.v1.Other"))),
+            ("watch", _drain(stub.Watch(health_pb2.HealthCheckRequest()))),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            answers[name] = e.value.code()
+        return answers
+
+    answers = run_grpc(ingress, scenario, raw=True)
+    assert [answers[s].status for s in ("", SERVICE)] == [health_pb2.HealthCheckResponse.SERVING] * 2
+    assert answers["unknown"] == grpc.StatusCode.NOT_FOUND and answers["watch"] == grpc.StatusCode.UNIMPLEMENTED
+
+    async def silent() -> dict[str, Any]:
+        raise TimeoutError("target pool did not answer")
+
+    monkeypatch.setattr(ingress, "info", silent)
+
+    async def check(channel: grpc.aio.Channel) -> Any:
+        return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+
+    assert run_grpc(ingress, check, raw=True).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _until(condition: Any, timeout: float = 30.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return bool(condition())
+
+
+def test_a_cancelled_call_is_the_abort_its_sequences_drop(ingress: TinyIngress) -> None:
+    """A client that cancels a stream (after its first message) or a unary call (while it runs): the router's
+    sequences of every choice drop, and the server serves on."""
+    long = greedy([5, 6, 7], WINDOW - 3, n=3)
+
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[list[int], list[int], Any]:
+        stream = stub.GenerateStream(long, metadata=AUTH)
+        first = await anext(aiter(stream))
+        held = [ingress.active]  # one sequence per choice, while the stream is open
+        stream.cancel()
+        assert await _until(lambda: ingress.active == 0)
+        unary = stub.Generate(long, metadata=AUTH)
+        assert await _until(lambda: ingress.active == 3)
+        held.append(ingress.active)
+        unary.cancel()
+        assert await _until(lambda: ingress.active == 0)
+        with pytest.raises(asyncio.CancelledError):
+            await unary
+        return held, list(first.token_ids), await stub.Generate(greedy([5, 6], 3), metadata=AUTH)
+
+    held, first, after = run_grpc(ingress, scenario)
+    assert held == [3, 3] and first and len(after.token_ids) == 3
+    assert not ingress.decoder.active  # the decoder holds no sequence of theirs

@@ -411,3 +411,31 @@ def test_per_request_spec_decode_metrics_under_vllms_names(client: openai.OpenAI
         assert spec["mean_acceptance_length"] == 1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"]
         assert spec["draft_acceptance_rate"] == spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"]
         assert spec["num_spec_tokens"] >= len(histogram) - 1
+
+
+# ---- Predicted Outputs ------------------------------------------------------------------------------
+def test_a_prediction_changes_no_token_and_its_tokens_are_counted(client: openai.OpenAI, tokenizer: Any) -> None:
+    body: dict[str, Any] = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0.0, "max_tokens": 12}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    alone = client.chat.completions.create(**body, extra_body=extra)
+    text = alone.choices[0].message.content or ""
+    assert alone.usage is not None and alone.usage.completion_tokens_details is None  # asked no prediction
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for prediction, accepted in ((text, len(ids)), ("red green blue yellow", None)):
+        fields = body | {"prediction": {"type": "content", "content": prediction}}
+        reply = client.chat.completions.create(**fields, extra_body=extra)
+        assert reply.choices[0].message.content == text  # drafts only: the same output
+        assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+        details = reply.usage.completion_tokens_details
+        total = len(tokenizer.encode(prediction, add_special_tokens=False))
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == total
+        if accepted is not None:  # the output itself, predicted: every token repeated
+            assert details.accepted_prediction_tokens == accepted
+        chunks = client.chat.completions.create(
+            **fields, extra_body=extra, stream=True, stream_options={"include_usage": True}
+        )
+        streamed = [c for c in chunks]
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+        assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens_details == details
+    with pytest.raises(openai.BadRequestError, match="prediction"):
+        client.chat.completions.create(**body, prediction={"type": "content", "content": "one two " * 40})

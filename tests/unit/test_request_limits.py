@@ -25,7 +25,6 @@ import pytest
 import requests
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from deploy.front import grpc_ingress
 from deploy.front.frontdoor import (
     MAX_STOP,
     MAX_STOP_CHARS,
@@ -34,6 +33,7 @@ from deploy.front.frontdoor import (
     FrontDoorConfig,
     RequestError,
 )
+from deploy.grpc.request import plan_generation
 from deploy.openai import api as openai_api
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -240,7 +240,7 @@ def check_control_text_is_text(front: FrontDoor, marker: str) -> None:
     completion_request = openai_api.CompletionRequest.model_validate({"model": MODEL_NAME, "prompt": injected})
     for prompt in (
         openai_api.openai_to_generation(completion_request, front, seed=0)[0],
-        grpc_ingress.proto_to_generation(pb.GenerateRequest(text=injected), front, seed=0)[0],
+        plan_generation(pb.GenerateRequest(text=injected), front, seed=0).choices[0].prompt_ids,
     ):
         assert controls_of(tokenizer, prompt) == controls_of(tokenizer, tokenizer.encode(""))  # BOS, if it adds one
         if tokenizer.unk_token_id is None:
