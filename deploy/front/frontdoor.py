@@ -123,6 +123,12 @@ class FrontDoorConfig(BaseModel):
         "`<tool_call>{json}</tool_call>` as Qwen2.5 writes them; `auto`, hermes where the chat template writes "
         "`<tool_call>`; `none`, requests with tools are refused.",
     )
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        default="auto",
+        description="How a thinking model's reasoning is kept apart from its answer (deploy/openai/reasoning.py): "
+        "`think`, the text between `<think>` and `</think>` goes to `reasoning_content`; `auto`, think where the chat "
+        "template writes `</think>` (Qwen3, DeepSeek-R1); `none`, all of it is `content`.",
+    )
     unknown_fields: Literal["ignore", "reject"] = Field(
         default="ignore",
         description="What the OpenAI HTTP API does with a request field it does not know. `ignore` (the default, as "

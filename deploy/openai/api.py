@@ -557,6 +557,7 @@ class AssistantMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(default=None, **IF_NONE)  # a thinking model's (deploy/openai/reasoning.py)
     tool_calls: list[OutToolCall] | None = Field(default=None, **IF_NONE)
 
 
@@ -576,6 +577,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, **IF_NONE)
     content: str | None = Field(default=None, **IF_NONE)
+    reasoning_content: str | None = Field(default=None, **IF_NONE)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, **IF_NONE)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from actors.admission import ContextWindow
 from deploy.front.frontdoor import FrontDoor, RequestError
+from deploy.openai import reasoning
 from deploy.openai.api import (
     MAX_CHOICES,
     MAX_PROMPTS,
@@ -55,6 +56,7 @@ class Plan:
     choices: list[Choice]
     ignored: list[str]
     tools: ToolUse | None = None
+    thinks: bool | None = None  # chat with a thinking model: whether the output starts inside its reasoning
 
     @property
     def chat(self) -> bool:
@@ -92,8 +94,12 @@ def plan_request(
         for i in range(n):
             seeded = sampling | {"seed": choice_seed(request.seed, seed, k * n + i, i)}
             choices.append(Choice(k * n + i, ids, seeded, k, param, echo))
-    tools = request_tools(request, front) if isinstance(request, ChatCompletionRequest) else None
-    return Plan(request, choices, ignored, tools)
+    if not isinstance(request, ChatCompletionRequest):
+        return Plan(request, choices, ignored)
+    thinks = None
+    if reasoning.parser_for(front.config.reasoning_parser, front.tokenizer.chat_template) is not None:
+        thinks = reasoning.opens_thinking(front.decode(choices[0].prompt_ids[-8:], skip_special_tokens=False))
+    return Plan(request, choices, ignored, request_tools(request, front), thinks)
 
 
 def check_fits_at_once(n: int, tokens: int, kv_budget: int | None) -> None:

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.router import StreamTimeout
 from deploy.front.frontdoor import Backend, Detokenizer, FrontDoor, RequestError, client_error
+from deploy.openai.answer import Answer
 from deploy.openai.api import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -40,7 +40,6 @@ from deploy.openai.api import (
 )
 from deploy.openai.choices import Choice, OpenAIRequest, Plan, plan_request
 from deploy.openai.logprobs_format import TokenText, chat_logprobs, completion_logprobs
-from deploy.openai.tools import DeltaToolCall, HermesCalls, ToolUse, delta_calls
 from deploy.openai.unknown_fields import ignored_header
 
 logger = logging.getLogger(__name__)
@@ -191,7 +190,7 @@ def _full_response(
         rid, created = new_id("chatcmpl")
         chats = []
         for c, text, r in pairs:
-            message, reason = assistant_message(text, r["finish_reason"], plan.tools)
+            message, reason = Answer.of(plan.tools, plan.thinks).message(text, r["finish_reason"])
             logprobs = logprobs_of(True, r.get("logprobs"), text_of)
             chats.append(
                 ChatChoice(
@@ -218,27 +217,6 @@ async def _counted(front: FrontDoor, usage: dict[str, Any], choice: Choice, outp
     if not choice.sampling.get("prediction"):
         return usage
     return await front.off_loop(prediction_usage, usage, choice.sampling, output)
-
-
-def call_reader(tools: ToolUse | None) -> HermesCalls | None:
-    """A choice's reader of tool calls, where the request's tools are to be parsed."""
-    return HermesCalls(tools.names, tools.parallel) if tools is not None and tools.parse else None
-
-
-def finish_reason(reason: str | None, calls: HermesCalls | None) -> str | None:
-    """`tool_calls` for a choice that stopped after making calls (OpenAI's and vLLM's), else the router's reason."""
-    return "tool_calls" if reason == "stop" and calls is not None and calls.made else reason
-
-
-def assistant_message(text: str, reason: str | None, tools: ToolUse | None) -> tuple[AssistantMessage, str | None]:
-    """A whole chat choice's message (its text, or its content and tool calls) and finish reason."""
-    calls = call_reader(tools)
-    if calls is None:
-        return AssistantMessage(content=text), reason
-    parsed = calls.feed(text, final=True)
-    if not parsed.calls:
-        return AssistantMessage(content=parsed.content), reason
-    return AssistantMessage(content=parsed.content or None, tool_calls=parsed.calls), finish_reason(reason, calls)
 
 
 def summed_usage(choices: list[Choice], usages: list[dict[str, Any]]) -> Usage:
@@ -285,11 +263,11 @@ async def _events(
         reason: str | None,
         role: bool = False,
         logprobs: Any = None,
-        calls: list[DeltaToolCall] | None = None,
+        delta: Delta | None = None,
     ) -> Any:
         token_ids = ids if request.return_token_ids else None
         if chat:
-            delta = Delta(role="assistant" if role else None, content=text, tool_calls=calls)
+            delta = delta or Delta(role="assistant" if role else None, content=text)
             return ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason, token_ids=token_ids)  # type: ignore[arg-type]
         return CompletionChoice(
             index=index, text=text or "", logprobs=logprobs, finish_reason=reason, token_ids=token_ids
@@ -297,7 +275,7 @@ async def _events(
 
     text_of = token_text(front)
     offsets = {c.index: len(c.echo) for c in plan.choices}  # completions' text_offset of each choice's next token
-    readers = {c.index: call_reader(plan.tools) for c in plan.choices}  # chat with tools: calls out of the text
+    answers = {c.index: Answer.of(plan.tools, plan.thinks) for c in plan.choices}  # chat: reasoning, calls, content
 
     usages: dict[int, dict[str, Any]] = {}
     outputs: dict[int, list[int]] = {}  # each choice's token ids so far (for prediction counts)
@@ -312,14 +290,12 @@ async def _events(
                 logprobs = logprobs_of(chat, chunk.get("logprobs"), text_of, offsets[c.index])
                 if logprobs is not None and not chat:
                     offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
-                calls: list[DeltaToolCall] | None = None
-                if (reader := readers[c.index]) is not None:
-                    sent = reader.made
-                    parsed = reader.feed(text, final=reason is not None)
-                    text, calls = parsed.content, delta_calls(parsed.calls, sent) or None
-                    reason = finish_reason(reason, reader)
-                if text or calls or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
-                    yield event([choice(c.index, text or None, ids, reason, logprobs=logprobs, calls=calls)])
+                delta: Delta | None = None
+                if chat:
+                    delta, reason = answers[c.index].delta(text, reason)
+                said = delta.model_dump(exclude_none=True) if delta is not None else text
+                if said or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
+                    yield event([choice(c.index, text or None, ids, reason, logprobs=logprobs, delta=delta)])
                 if c.sampling.get("prediction"):
                     outputs.setdefault(c.index, []).extend(ids)
                 if reason is not None:
