@@ -70,11 +70,16 @@ def split_lookup(
     return found, [replace(r, budget=0) if hit else r for r, hit in zip(requests, hits, strict=True)]
 
 
-def searched(tokens: Sequence[int], prediction: Sequence[int]) -> torch.Tensor:  # [P + L] int64
-    """What lookup searches: a request's predicted output (`SamplingParams.prediction`), then its sequence, whose
-    end is the n-gram matched. A match in the prediction drafts the prediction's next tokens, as one in the
-    prompt drafts the prompt's (a code edit's unchanged lines)."""
-    return torch.tensor([*prediction, *tokens], dtype=torch.long)
+def searched(tokens: Sequence[int], prediction: Sequence[int], prompt_len: int) -> torch.Tensor:  # [T + P + L]
+    """What lookup searches: a request's predicted output (`SamplingParams.prediction`) after the prompt's last
+    MATCH_REACH tokens, then its sequence, whose end is the n-gram matched. The prediction is what the prompt is
+    expected to be followed by: an output that begins as it does agrees with it for a whole run from its first
+    token, a quote at once. A match in the prediction drafts the prediction's next tokens, as one in the prompt
+    drafts the prompt's (a code edit's unchanged lines)."""
+    if not prediction:
+        return torch.tensor(tokens, dtype=torch.long)
+    tail = tokens[max(prompt_len - MATCH_REACH, 0) : prompt_len]
+    return torch.tensor([*tail, *prediction, *tokens], dtype=torch.long)
 
 
 class PromptLookupDrafter:
@@ -91,14 +96,17 @@ class PromptLookupDrafter:
             if req.budget <= 0:
                 out.append(empty_proposal(req))
                 continue
-            seq = searched(req.tokens, req.params.prediction)
+            seq = searched(req.tokens, req.params.prediction, req.prompt_len)
             draft = lookup_continuation(seq, self.max_ngram, self.min_ngram, req.budget)
             out.append(behind_spine(req, Proposal(TokenTree.chain(req.tokens[-1], draft))))
         return out
 
-    def match(self, tokens: Sequence[int], length: int, prediction: Sequence[int] = ()) -> tuple[int, int]:
-        """(the match's `run_class`, tokens a proposal of at most `length` would draft); (0, 0): no match."""
-        run, found = lookup_match(searched(tokens, prediction), self.max_ngram, self.min_ngram, length)
+    def match(
+        self, tokens: Sequence[int], length: int, prediction: Sequence[int] = (), prompt_len: int = 0
+    ) -> tuple[int, int]:
+        """(the match's `run_class`, tokens a proposal of at most `length` would draft); (0, 0): no match.
+        `prediction`, `prompt_len`: the sequence's predicted output and prompt length (`searched`)."""
+        run, found = lookup_match(searched(tokens, prediction, prompt_len), self.max_ngram, self.min_ngram, length)
         return run_class(run), len(found)
 
     def release(self, seq_ids: list[str]) -> None:

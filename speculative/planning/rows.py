@@ -132,13 +132,13 @@ def _lookup_match(
     lookup = drafters.lookup
     if drafters.lookup_quotes and lookup:
         looked = min(room, shape.quote_cap) if capped and seq.stats.steps else 0
-        run, found = lookup.match(seq.tokens, looked, seq.params.prediction) if looked else (0, 0)
+        run, found = lookup.match(seq.tokens, looked, seq.params.prediction, len(seq.prompt)) if looked else (0, 0)
         return (run, found) if run >= QUOTE_RUN and found else (0, want)
     if lookup is None:
         return 0, want
     # a drafting sequence looks as deep as a quote may go; a shorter match drafts within its want
     deepest = min(room, max(shape.cap, shape.quote_cap)) if want else 0
-    run, found = lookup.match(seq.tokens, deepest, seq.params.prediction) if deepest else (0, 0)
+    run, found = lookup.match(seq.tokens, deepest, seq.params.prediction, len(seq.prompt)) if deepest else (0, 0)
     return run, found if run >= QUOTE_RUN else min(found, want, shape.cap)
 
 

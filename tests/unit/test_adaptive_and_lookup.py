@@ -110,6 +110,12 @@ def test_lookup_drafts_a_prediction_the_context_lacks_and_prefers_the_longer_quo
     assert drafter.match(tokens, 3) == (0, 0)
     (bare,) = drafter.propose([DraftRequest("s", tokens, budget=3, params=SamplingParams(temperature=0.0))])
     assert bare.tree.size == 0
+    # The prediction follows the prompt: an output whose first token begins it matches it with the prompt's end.
+    started = (1, 2, 3, 7)  # prompt (1, 2, 3), then the prediction's first token
+    assert drafter.match(started, 3, predicted.prediction, prompt_len=3) == (run_class(4), 3)
+    assert drafter.match(started, 3, predicted.prediction) == (run_class(1), 3)  # the token alone, no prompt
+    (first,) = drafter.propose([DraftRequest("s", started, budget=3, params=predicted, prompt_len=3)])
+    assert first.tree.tokens == (8, 9, 10)
 
 
 def test_tree_structure_and_validation():
