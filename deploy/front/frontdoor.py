@@ -444,10 +444,16 @@ class Detokenizer:
     def _undecided_tail(self, text: str) -> int:
         if text.endswith("\ufffd"):
             return len(text) - len(text.rstrip("\ufffd"))
-        longest = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        return marker_start(text, self._stop)
+
+
+def marker_start(text: str, markers: Sequence[str]) -> int:
+    """How many characters at the end of `text` may be the start of one of `markers` (a stop string, a tag a
+    parser waits for): the longest such tail, held back until the next text tells."""
+    longest = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:n]):
+                longest = n
+                break
+    return longest

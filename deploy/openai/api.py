@@ -356,9 +356,10 @@ def openai_to_generation(
     seed: int,
     window: ContextWindow | None = None,
     prompt_index: int = 0,
+    tools: ToolUse | None = None,
 ) -> tuple[list[int], dict[str, Any]]:
     """Prompt token ids and the SamplingParams dict of a validated request (of its prompt `prompt_index`,
-    for a completions batch).
+    for a completions batch). `tools`: a chat request's `request_tools` where the caller has them (else made here).
 
     `window`: what the deployment serves (`FrontDoor.served_window`); None: the front door's own.
 
@@ -370,7 +371,7 @@ def openai_to_generation(
     if isinstance(request, ChatCompletionRequest):
         template = chat_template_kwargs(request.chat_template_kwargs, front.tokenizer)
         turn = Turn(request.add_generation_prompt, request.continue_final_message)
-        tools = request_tools(request, front)
+        tools = tools or request_tools(request, front)
         listed = tools.tools if tools is not None else None
         prompt = chat_prompt_ids(request.messages, front.tokenizer, front.prompts, turn, template, listed)
         prompt_param = "messages"

@@ -83,9 +83,10 @@ def plan_request(
     front.check_model(request.model)
     n = request.n or 1
     prompts = 1 if isinstance(request, ChatCompletionRequest) else check_batch(request, n)
+    tools = request_tools(request, front) if isinstance(request, ChatCompletionRequest) else None
     choices = []
     for k in range(prompts):
-        ids, sampling = openai_to_generation(request, front, seed, window, k)
+        ids, sampling = openai_to_generation(request, front, seed, window, k, tools)
         if isinstance(request, ChatCompletionRequest):
             param, echo = "messages", ""
         else:
@@ -99,7 +100,7 @@ def plan_request(
     thinks = None
     if reasoning.parser_for(front.config.reasoning_parser, front.tokenizer.chat_template) is not None:
         thinks = reasoning.opens_thinking(front.decode(choices[0].prompt_ids[-8:], skip_special_tokens=False))
-    return Plan(request, choices, ignored, request_tools(request, front), thinks)
+    return Plan(request, choices, ignored, tools, thinks)
 
 
 def check_fits_at_once(n: int, tokens: int, kv_budget: int | None) -> None:

@@ -98,6 +98,15 @@ def chat_template_kwargs(kwargs: dict[str, Any] | None, tokenizer: PreTrainedTok
     return dict(kwargs or {})
 
 
+def template_format(configured: str, chat_template: str | None, name: str, marker: str) -> str | None:
+    """The output format a front door's parser setting picks (`tool_call_parser`, `reasoning_parser`): `none` is
+    None; `auto` is `name` where the chat template writes `marker` (what its model was trained to write), else
+    None; any other value is itself."""
+    if configured == "auto":
+        return name if chat_template is not None and marker in chat_template else None
+    return None if configured == "none" else configured
+
+
 @dataclass(frozen=True)
 class Turn:
     """Where the rendered conversation ends: the assistant's turn opened after it (`add_generation_prompt`), or the

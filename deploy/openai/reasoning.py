@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deploy.front.frontdoor import marker_start
+from deploy.openai.prompts import template_format
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def parser_for(configured: str, chat_template: str | None) -> str | None:
-    """The reasoning format of `front_door.reasoning_parser`: `think`, or with `auto` what the template writes."""
-    if configured != "auto":
-        return None if configured == "none" else configured
-    return "think" if chat_template is not None and CLOSE in chat_template else None
+    """The reasoning format of `front_door.reasoning_parser`: `think`, or with `auto` where the template writes it."""
+    return template_format(configured, chat_template, "think", CLOSE)
 
 
 def opens_thinking(prompt_text: str) -> bool:
@@ -64,7 +65,7 @@ class Thinking:
         if self.inside:
             end = self._buffer.find(CLOSE)
             if end < 0:
-                held = 0 if final else _held(self._buffer, CLOSE)
+                held = 0 if final else marker_start(self._buffer, (CLOSE,))
                 reasoning.append(self._buffer[: len(self._buffer) - held])
                 self._buffer = self._buffer[len(self._buffer) - held :]
                 return Split("".join(reasoning), "")
@@ -76,8 +77,3 @@ class Thinking:
         content.append(self._buffer)
         self._buffer = ""
         return Split("".join(reasoning), "".join(content))
-
-
-def _held(text: str, marker: str) -> int:
-    """Characters at the end of `text` that may be the start of `marker`."""
-    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)

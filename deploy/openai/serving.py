@@ -275,7 +275,7 @@ async def _events(
 
     text_of = token_text(front)
     offsets = {c.index: len(c.echo) for c in plan.choices}  # completions' text_offset of each choice's next token
-    answers = {c.index: Answer.of(plan.tools, plan.thinks) for c in plan.choices}  # chat: reasoning, calls, content
+    answers = {c.index: Answer.of(plan.tools, plan.thinks) for c in plan.choices} if chat else {}  # chat's readers
 
     usages: dict[int, dict[str, Any]] = {}
     outputs: dict[int, list[int]] = {}  # each choice's token ids so far (for prediction counts)
@@ -293,9 +293,9 @@ async def _events(
                 delta: Delta | None = None
                 if chat:
                     delta, reason = answers[c.index].delta(text, reason)
-                said = delta.model_dump(exclude_none=True) if delta is not None else text
+                said = delta is not None if chat else bool(text)
                 if said or reason is not None or (ids and (request.return_token_ids or logprobs is not None)):
-                    yield event([choice(c.index, text or None, ids, reason, logprobs=logprobs, delta=delta)])
+                    yield event([choice(c.index, text or None, ids, reason, logprobs=logprobs, delta=delta or Delta())])
                 if c.sampling.get("prediction"):
                     outputs.setdefault(c.index, []).extend(ids)
                 if reason is not None:

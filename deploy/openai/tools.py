@@ -31,7 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from deploy.front.frontdoor import RequestError
+from deploy.front.frontdoor import RequestError, marker_start
+from deploy.openai.prompts import template_format
 from deploy.openai.structured_output import REQUEST_MODEL
 from speculative.rules.grammar import JSON_DEFAULTS, grammar_error
 from speculative.rules.sampling import GrammarSpec
@@ -213,10 +214,8 @@ def calls_grammar(functions: list[FunctionDefinition], multiple: bool) -> Gramma
 
 
 def parser_for(configured: str, chat_template: str | None) -> str | None:
-    """The call format of `front_door.tool_call_parser`: `hermes`, or with `auto` what the template writes."""
-    if configured != "auto":
-        return None if configured == "none" else configured
-    return "hermes" if chat_template is not None and OPEN in chat_template else None
+    """The call format of `front_door.tool_call_parser`: `hermes`, or with `auto` where the template writes it."""
+    return template_format(configured, chat_template, "hermes", OPEN)
 
 
 # ---- reading calls out of the output ----------------------------------------------------------------
@@ -344,7 +343,7 @@ def _may_be_block(text: str) -> bool:
 
 def _held(text: str) -> int:
     """Characters at the end of `text` to hold back: trailing whitespace, and a tail that begins `<tool_call>`."""
-    tail = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
+    tail = marker_start(text, (OPEN,))
     rest = text[: len(text) - tail]
     return tail + len(rest) - len(rest.rstrip())
 
