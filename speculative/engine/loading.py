@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from speculative.engine.cpu.int4_linear import int4_quantized
+from speculative.engine.cpu.int8_linear import int8_quantized
 from speculative.engine.cpu.onednn_linear import native_bf16, packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,28 +81,17 @@ def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:
     `resolve_quantize`; "none": unchanged). For draft models: a draft's tokens are only proposals, so a
     quantized draft changes how many are accepted, never the output. The LM head is quantized too.
 
-    int8: torch's dynamic int8 Linear (fbgemm on x86: per-output-channel weight scales, activations quantized
-    per call) on a float32 model, CPU only: a memory-bound decode step reads a quarter of float32's bytes, half
-    of bfloat16's (an untied head copy; the input embeddings stay float32). int4: `int4_linear` on a bfloat16
-    model, CPU only.
+    int8: `int8_linear` on a float32 model, CPU only: a memory-bound decode step reads a quarter of float32's
+    bytes, half of bfloat16's. int4: `int4_linear` on a bfloat16 model, CPU only.
     """
     mode = resolve_quantize(mode, next(model.parameters()).device.type)
     if mode == "none":
         return model
     if mode == "int4":
         return int4_quantized(model)
-    if mode != "int8":
-        raise ValueError(f"quantize: expected 'none', 'int8', 'int4' or 'auto', got {mode!r}")
-    if next(model.parameters()).device.type != "cpu" or next(model.parameters()).dtype != torch.float32:
-        raise ValueError("quantize: 'int8' needs a float32 model on the CPU")
-    import warnings
-
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():  # torch.ao's deprecation notices: the kernels are what torch 2.13 ships
-        warnings.simplefilter("ignore")
-        out = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
-    return out
+    if mode == "int8":
+        return int8_quantized(model)
+    raise ValueError(f"quantize: expected 'none', 'int8', 'int4' or 'auto', got {mode!r}")
 
 
 def with_kernels(model: PreTrainedModel, quantize: str, cpu_linear: str) -> PreTrainedModel:

@@ -84,8 +84,7 @@ class ModelRunner:
         self._head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # model inputs go here; bookkeeping stays on CPU
-        weight = self._head.weight  # an int8 Linear's is a method (`speculative.engine.loading.quantized`)
-        self.vocab_size = int((weight() if callable(weight) else weight).shape[0])
+        self.vocab_size = int(self._head.weight.shape[0])
         self.rows: list[str] = []  # sequence id of each row
         self.lens = np.zeros(0, dtype=np.int64)  # [B] committed tokens in cache
         self.cached: list[list[int]] = []  # committed token ids in cache, per row

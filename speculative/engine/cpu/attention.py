@@ -1,7 +1,7 @@
 """Batch-invariant attention as one C call per layer (`kernels/attention.c`): each query row's sums fixed by the
 row alone, in float32, so `invariant.invariant_attention` computes the same attention (to rounding: its own
 exp and sum order) with the same invariance, at a fraction of the torch formulation's per-op cost (a decode
-step's 28 layers: one call each instead of ~20 torch ops each). Built once per machine (`compiled`); where it
+step's 28 layers: one call each instead of ~20 torch ops each). Built at install (`compiled`); where it
 cannot run, `attend` returns None and the torch formulation runs."""
 
 from __future__ import annotations
@@ -13,17 +13,14 @@ import torch
 
 from speculative.engine.cpu import compiled
 
-SOURCE = compiled.KERNELS / "attention.c"
-FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", *compiled.AVX512_FLAGS]
-
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
+    """The kernel as the install built it; None where this machine cannot run it or it was not built."""
     pointer, long, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     arguments = [pointer, long, long, long, pointer, pointer, long, long, long, pointer, long, long]
     arguments += [count] * 7 + [pointer]
-    return compiled.library(SOURCE, FLAGS, "invariant attention", {"attend": (arguments, count)})
+    return compiled.library("attention", "invariant attention", {"attend": (arguments, count)})
 
 
 def attend(

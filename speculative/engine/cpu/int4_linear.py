@@ -23,6 +23,7 @@ from typing import Literal, TypeVar
 import torch
 
 from speculative.engine.cpu import int4_vnni
+from speculative.engine.cpu.linears import replaced
 from speculative.engine.cpu.onednn_linear import PackedLinear, packable
 
 GROUP = int4_vnni.GROUP  # inputs per scale and minimum (Q4_K's block; both kernels take 32)
@@ -107,8 +108,4 @@ def int4_quantized(model: M, kernel: Kernel | None = None) -> M:
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.bfloat16:
         raise ValueError("quantize: 'int4' needs a bfloat16 model on the CPU (its kernels take bfloat16 activations)")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and child.in_features % GROUP == 0:
-                setattr(parent, name, Int4Linear(child, kernel))
-    return model
+    return replaced(model, lambda linear: Int4Linear(linear, kernel) if linear.in_features % GROUP == 0 else None)

@@ -7,37 +7,28 @@ call streams its weights once at about the memory's rate (`bench/results/draft_q
 kernel: int8 activations change a draft's logits by about 1 %, which changes how many drafts are accepted,
 never the output.
 
-The C source is built once per machine (`compiled`); no compiler, a failed build or a CPU without AVX-512
-VNNI and BF16 leaves `library()` None, and `Int4Linear` then uses torch's.
+The C source is built when the package is installed (`compiled`); a kernel not built (no compiler) or a CPU
+without AVX-512 VNNI and BF16 leaves `library()` None, and `Int4Linear` then uses torch's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from speculative.engine.cpu import compiled
 
-SOURCE = compiled.KERNELS / "int4_vnni.c"
-FLAGS = ["-O3", "-shared", "-fPIC", *compiled.AVX512_FLAGS]
 TILE, GROUP, MAX_ROWS = 16, 32, 8  # as in the C source
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
+    """The kernel as the install built it; None where this machine cannot run it or it was not built."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
     mm = ([pointer, count, count, pointer, count, pointer], ctypes.c_int)  # W, out, in, x, rows, y
-    return compiled.library(SOURCE, FLAGS, "int4 draft weights", {"int4_vnni_mm": mm})
-
-
-def build(folder: Path, compiler: str | None) -> Path | None:
-    """The kernel's shared library in `folder` (`compiled.build`); None, with a warning, where it cannot be had:
-    `Int4Linear` then uses torch's int4 kernel."""
-    return compiled.build(SOURCE, FLAGS, folder, compiler, "int4 draft weights")
+    return compiled.library("int4_vnni", "int4 draft weights", {"int4_vnni_mm": mm})
 
 
 def pack(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -59,12 +50,7 @@ def pack(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.
 
 def matmul(packed: torch.Tensor, out: int, rows: torch.Tensor) -> torch.Tensor:
     """rows [M, in] bfloat16 (1 <= M <= MAX_ROWS) -> [M, out] bfloat16 through weights `pack` laid out."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the int4 VNNI kernel cannot run on this machine")
-    if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
-        raise ValueError(f"the int4 VNNI kernel takes bfloat16 rows on the CPU, not {rows.dtype} on {rows.device}")
-    rows = rows.contiguous()
+    lib, rows = compiled.rows_for(library(), "int4 VNNI", rows, torch.bfloat16)
     y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)  # [M, out]
     if lib.int4_vnni_mm(packed.data_ptr(), out, rows.shape[1], rows.data_ptr(), rows.shape[0], y.data_ptr()):
         raise RuntimeError(f"int4 kernel refused {rows.shape[0]} rows of {rows.shape[1]} inputs")

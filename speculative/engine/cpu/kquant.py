@@ -22,8 +22,6 @@ import torch
 
 from speculative.engine.cpu import compiled
 
-SOURCE = compiled.KERNELS / "kquant_vnni.c"
-FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", *compiled.AVX512_FLAGS]
 TILE = 16  # outputs per tile, as in the C source
 Q4_K, Q6_K, Q8_0 = 12, 14, 8  # GGML's type ids
 NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q8_0: "Q8_0"}
@@ -33,11 +31,11 @@ BLOCK_INPUTS = {Q4_K: 256, Q6_K: 256, Q8_0: 32}
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built here on first use; None where this machine cannot run or build it."""
+    """The kernel as the install built it; None where this machine cannot run it or it was not built."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
     many = ([count, pointer, pointer, pointer, count, pointer, count, pointer, count, count], ctypes.c_int)
     place = ([pointer, count], ctypes.c_int)
-    return compiled.library(SOURCE, FLAGS, "GGUF target weights", {"kquant_mm_many": many, "kquant_place": place})
+    return compiled.library("kquant_vnni", "GGUF target weights", {"kquant_mm_many": many, "kquant_place": place})
 
 
 _threads: int | None = None  # the kernel's threads while `borrowing`; None: torch's thread count

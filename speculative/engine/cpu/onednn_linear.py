@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from speculative.engine.cpu.linears import replaced
+
 ROWS = 8  # the rows the weights are laid out for: a verify's tree (and prefill chunks use the same layout)
 
 
@@ -87,8 +89,4 @@ def packed(model: M, mode: str) -> M:
         raise ValueError(f"cpu_linear: expected 'torch' or 'onednn', got {mode!r}")
     if not torch.backends.mkldnn.is_available():
         raise ValueError("cpu_linear: 'onednn' needs a torch built with oneDNN (torch.backends.mkldnn)")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and packable(child.weight):
-                setattr(parent, name, PackedLinear(child))
-    return model
+    return replaced(model, lambda linear: PackedLinear(linear) if packable(linear.weight) else None)
