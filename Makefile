@@ -1,16 +1,32 @@
 # specserve: `make setup` once, then `make test` / `make run` / `make bench`.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+# Every install takes the lock's versions (constraints.txt, `make lock`); torch is pinned in the same pip call so
+# that a CPU machine takes the CPU wheel (a bare torch requirement pulls the multi-GB CUDA build).
+LOCK := constraints.txt
+TORCH := torch==2.13.0
+# The models `make run` serves (deploy/local.yaml's target and draft); the suite also uses the small one.
+SERVED_MODELS := qwen-1.5b qwen-0.5b
+TEST_MODELS := smollm2-135m
 export SPECSERVE_MODELS ?= $(HOME)/.cache/specserve/models
 export SPECSERVE_HEADS ?= $(HOME)/.cache/specserve/heads
 
 PROTO_STUBS := proto/specserve_pb2.py proto/specserve_pb2.pyi proto/specserve_pb2_grpc.py
 
-.PHONY: setup models heads test test-fast lint run bench proto k8s
+.PHONY: setup setup-serve lock models serve-models heads test test-fast lint run bench proto k8s
 
-setup:  ## install the package and its dev tools; torch pinned here so CPU machines take the CPU wheel
-	$(PIP) install -q "torch==2.13.0" -e ".[dev]"
+setup:  ## install the package and its dev tools at the lock's versions
+	$(PIP) install -q -c $(LOCK) "$(TORCH)" -e ".[dev]"
 	$(MAKE) proto
+
+# Serving alone: the package and its runtime dependencies, plus grpcio-tools, which writes the gRPC stubs of an
+# editable checkout (`make proto`; a built package has its own) and is not imported at run time.
+setup-serve:  ## install what `make run` needs (no dev tools) at the lock's versions
+	$(PIP) install -q -c $(LOCK) "$(TORCH)" -e . grpcio-tools
+	$(MAKE) proto
+
+lock:  ## rewrite constraints.txt from this environment (after a dependency change, once the suite passes here)
+	$(PYTHON) -m deploy.lock write
 
 proto: $(PROTO_STUBS)  ## generate the gRPC stubs of proto/specserve.proto (git-ignored)
 
@@ -21,7 +37,10 @@ k8s:  ## k8s/rayservice.yaml's serveConfigV2 from deploy/cluster-gpu.yaml, k8s/g
 	$(PYTHON) -m deploy.k8s render
 
 models: setup  ## fetch + convert the real models of docs/models.md (skipped when present)
-	$(PYTHON) -m modelstore fetch qwen-1.5b qwen-0.5b smollm2-135m
+	$(PYTHON) -m modelstore fetch $(SERVED_MODELS) $(TEST_MODELS)
+
+serve-models: setup-serve  ## fetch + convert the models `make run` serves (skipped when present)
+	$(PYTHON) -m modelstore fetch $(SERVED_MODELS)
 
 # The chi-square proofs of the acceptance rules are single-threaded Python (~14 CPU-minutes): they run first, on
 # every core (pytest-xdist), one torch thread each; then the rest, whose Ray clusters and timed checks want the
@@ -40,7 +59,7 @@ lint: proto
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy speculative actors deploy modelstore bench
 
-run: models  ## the server on embedded Ray with the default Qwen pair, answering one streamed request
+run: serve-models  ## the server on embedded Ray with the default Qwen pair, answering one streamed request
 	$(PYTHON) -m deploy.local.cli serve
 
 # Medusa and EAGLE heads for the default target, trained here on its own outputs (speculative/train);

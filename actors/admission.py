@@ -15,6 +15,7 @@ replicas, and only the replica sees all their sequences. Entries of sequences no
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from actors.wire import Reserved
@@ -33,10 +34,13 @@ class ContextWindow:
 
 
 class KvLedger:
-    """KV tokens reserved per sequence on one replica, within its budget."""
+    """KV tokens reserved per sequence on one replica, within its budget; `changed(held, budget)` hears of every
+    change (the replica's KV usage metric)."""
 
-    def __init__(self, budget: int, idle_s: float, replica: str) -> None:
-        self.budget, self.idle_s, self.replica = budget, idle_s, replica
+    def __init__(
+        self, budget: int, idle_s: float, replica: str, changed: Callable[[int, int], None] = lambda held, budget: None
+    ) -> None:
+        self.budget, self.idle_s, self.replica, self._changed = budget, idle_s, replica, changed
         self._held: dict[str, int] = {}  # sequence id -> reserved tokens
         self._seen: dict[str, float] = {}  # sequence id -> last call naming it (monotonic)
 
@@ -53,6 +57,7 @@ class KvLedger:
         granted = seq_id in self._held or self.held + tokens <= self.budget
         if granted:
             self._take(seq_id, tokens)
+            self._changed(self.held, self.budget)
         return Reserved(granted, self.held, self.budget, self.replica)
 
     def running(self, reservations: dict[str, int]) -> None:
@@ -61,11 +66,14 @@ class KvLedger:
         for seq_id, tokens in reservations.items():
             if seq_id in self._held or tokens:
                 self._take(seq_id, self._held.get(seq_id, tokens))
+        self._changed(self.held, self.budget)
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self._held.pop(seq_id, None)
             self._seen.pop(seq_id, None)
+        if seq_ids:
+            self._changed(self.held, self.budget)
 
     def _take(self, seq_id: str, tokens: int) -> None:
         self._held[seq_id] = tokens

@@ -63,6 +63,18 @@ CpuCores = Annotated[
 ]
 
 
+# The served model's name on every metric a replica records: the `model_name` label vLLM's metrics carry, which
+# Ray Serve LLM's dashboard filters every panel by (actors/metrics.py).
+MetricsModelName = Annotated[
+    str,
+    Field(
+        max_length=256,
+        description="The `model_name` label of every metric this replica records (set from the app config: "
+        "front_door.served_model_name, else target_model).",
+    ),
+]
+
+
 class ModelSettings(BaseModel):
     """How a model is held in memory and computed: what the app's models share (`AppConfig` sets it once
     for both, each `ModelConfig` carries it)."""
@@ -119,10 +131,11 @@ class ModelConfig(ModelSettings):
     )
     quantize: Quantize = Field(
         default="none",
-        description="int8: the Linear layers' weights in int8, quantized at load (torch's dynamic int8 "
-        "kernels, CPU only), the rest in float32; int4: 4-bit weight groups for forwards of a few tokens, the "
-        "model in bfloat16 (speculative/engine/cpu/int4_linear.py, CPU only); auto: int4 on a CPU with native "
-        "bfloat16, int8 on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
+        description="int8: the Linear layers' weights in int8, quantized at load (torch's int8 kernels, "
+        "speculative/engine/cpu/int8_linear.py, CPU only), the rest in float32; int4: 4-bit weight groups for "
+        "forwards of a few tokens, the model in bfloat16 (speculative/engine/cpu/int4_linear.py, CPU only); auto: "
+        "int4 on a CPU with native bfloat16, int8 on other CPUs, none on a GPU. Only a draft model takes it "
+        "(drafts never change output).",
     )
 
     weights: Weights = Field(
@@ -173,6 +186,7 @@ class DraftWorkerConfig(DraftWorkerSettings):
         default=None, description="The draft model; None for drafters without one (lookup)."
     )
     target_model: str = Field(min_length=1, description="The target model (for its vocabulary size only).")
+    model_name: MetricsModelName = ""
     drafter: DrafterConfig = Field(
         default_factory=ModelDrafterConfig, description="The drafter kind (one that needs a draft model, or lookup)."
     )
@@ -265,6 +279,7 @@ class TargetConfig(TargetSettings):
     shard_start_timeout_s: float = Field(
         default=900.0, gt=0, le=7_200, description="Loading plus the first DeepSpeed compile may take minutes."
     )
+    model_name: MetricsModelName = ""
     heads: DrafterConfig | None = Field(
         default=None,
         description="The drafter whose heads run beside the target (a kind that `runs_on` the target: medusa, "
@@ -412,6 +427,7 @@ class RouterConfig(BaseModel):
         "replica is stopped. 600 s: 32k tokens (a Qwen2.5 context window) at 55 tokens/s.",
     )
     stats_window: int = Field(default=4096, ge=1, le=1_000_000, description="Step records kept for stats().")
+    model_name: MetricsModelName = ""
     depth: DepthConfig = Field(default_factory=DepthConfig, description="The depth controller's knobs.")
 
 

@@ -19,7 +19,7 @@ from actors.config import DraftWorkerConfig
 from actors.groups import GroupCaches
 from actors.heap import freeze_heap
 from actors.loading import Resolver, identity, load_grammars, load_lm, vocab_size_of
-from actors.metrics import mark_replica_up
+from actors.metrics import ReplicaMetrics
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.wire import Drafted, DraftInfo, Stopwatch, WireProposal
@@ -50,7 +50,7 @@ class DraftWorker:
         self._busy = BusyMeter()
         self._calls = 0
         self.tag = replica_tag(self)
-        mark_replica_up()
+        self._metrics = ReplicaMetrics(config.model_name)
         freeze_heap()
 
     def _new_drafter(self) -> Drafter | None:
@@ -101,7 +101,7 @@ class DraftWorker:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (see actors/scaling.py)."""
-        return {BUSY_METRIC: self._busy.take()}
+        return {BUSY_METRIC: self._metrics.busy(self._busy.take())}
 
     async def describe(self, lane: str | None = None) -> dict[str, Any]:
         """What this replica holds: lane groups and cached sequences (a cancelled or finished one is freed)."""

@@ -257,6 +257,9 @@ class Lane:
             return None
         lives = list(group.lives.values())
         items = [_verify_item(x) for x in lives]
+        now = time.time()
+        for live in lives:
+            live.schedule(now)
         pre = self.ahead.start(group.index, group.key, lives, self.target_waiting) if ahead else None
         verified = await self._verify_call(group, items, borrow=not self.ctx.drafting.calls)
         arrived = time.perf_counter()
@@ -323,9 +326,7 @@ class Lane:
         seq, now = live.seq, time.time()
         self.ctx.metrics.step(tree.depths, n_accepted, len(new), now, live)
         if seq.finish_reason is not None:
-            self.ctx.metrics.finished(
-                seq.finish_reason, seq.stats.acceptance_length, len(seq.output), now - live.admitted
-            )
+            self.ctx.metrics.finished(live, seq.finish_reason, now)
             chunk = {"token_ids": new, "finish_reason": seq.finish_reason, "usage": usage(seq)}
             live.chunks.put_nowait(with_logprobs(chunk, seq, len(new)))
             self._leave(group, live)
@@ -345,7 +346,7 @@ class Lane:
             self._fail_one(group, live, message)
 
     def _fail_one(self, group: _Group, live: Live, message: str) -> None:
-        self.ctx.metrics.finished("error", 0.0, 0, 0.0)
+        self.ctx.metrics.finished(live, "error", time.time())
         live.chunks.put_nowait({"error": message})
         self._leave(group, live)
 

@@ -21,9 +21,17 @@ class Live:
     chunks: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     proposal: WireProposal | None = None  # drafted, not yet verified
     cancelled: bool = False
-    admitted: float = field(default_factory=time.time)
+    admitted: float = field(default_factory=time.time)  # when the router took the request (vLLM's arrival)
+    scheduled: float | None = None  # when its first verify call left (vLLM: it left the waiting queue)
+    first_token: float | None = None  # when the client got its first tokens
     last_emit: float | None = None  # when the client last got tokens
+    ended: bool = False  # its end is on the metrics (finished, failed or cancelled: counted once)
     draft_seen: int = 0  # tokens of it the draft pool was last sent (what a call's catch-up is counted from)
+
+    def schedule(self, now: float) -> None:
+        """A verify call carries it: the first one schedules it (its queue time ends, its prefill begins)."""
+        if self.scheduled is None:
+            self.scheduled = now
 
 
 @dataclass(frozen=True)

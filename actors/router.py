@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import time
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -30,7 +31,7 @@ from actors.draft_calls import InFlight
 from actors.heap import freeze_heap
 from actors.lane import Lane, LaneContext
 from actors.loading import Resolver, identity, load_decoder
-from actors.metrics import RouterMetrics, mark_replica_up
+from actors.metrics import ReplicaMetrics, RouterMetrics
 from actors.pools import Pool, ServePool
 from actors.records import Live, StepRecord
 from actors.wire import DraftInfo, Reserved, TargetInfo
@@ -96,8 +97,8 @@ class Router:
         self._live: dict[str, Live] = {}
         self._ids = itertools.count()
         self._records: deque[StepRecord] = deque(maxlen=config.stats_window)
-        self._metrics = RouterMetrics()
-        mark_replica_up()
+        self._metrics = RouterMetrics(config.model_name)
+        ReplicaMetrics(config.model_name)
         self._costs = StepCosts(config.depth)  # lanes come and go; what a verify or draft costs here outlives them
         self._drafting = InFlight()  # draft calls in flight from every lane (a verify beside none may borrow cores)
         freeze_heap()
@@ -127,11 +128,10 @@ class Router:
                 if chunk["finish_reason"] is not None:
                     return
         finally:
-            if live.seq.finish_reason is None:
-                self._metrics.requests.inc(1, tags={"finish_reason": "cancelled"})
+            self._metrics.finished(live, "cancelled", time.time())  # (counted already where the lane ended it)
             live.cancelled = True  # a client that went away: the lane drops it between rounds
             self._live.pop(live.seq.seq_id, None)
-            self._metrics.queue.set(len(self._live))
+            self._census()
 
     async def stats(self, reset: bool = False) -> dict[str, Any]:
         """Means over the recorded rounds: step time, draft and target compute, router overhead."""
@@ -159,6 +159,7 @@ class Router:
 
     # ---- admission -----------------------------------------------------------------------
     async def _admit(self, prompt: list[int], sampling: dict[str, Any]) -> Live:
+        arrived = time.time()
         params = SamplingParams.model_validate(sampling)
         if params.stop and self._decode is None:
             raise ValueError("stop: stop strings need a tokenizer, and this deployment has none")
@@ -171,22 +172,35 @@ class Router:
         check_window(len(prompt), params.max_tokens, self._window)
         active = len(self._live) + sum(self._joining.values())  # joining: admitted, reservation being asked for
         if active >= self.config.max_active_sequences:
+            self._metrics.refused("max_active_sequences")
             raise Overloaded(f"{active} sequences active (max_active_sequences)")
         seq_id = f"{self.router_id}-{next(self._ids)}"
         index = self._lane_for_new()
         self._joining[index] += 1  # counted as the lane's while its reservation is asked for
+        self._census()
         try:
             await self._reserve(index, seq_id, len(prompt) + params.max_tokens)
+            live = Live(Sequence(seq_id, list(prompt), params), admitted=arrived)
+            self._live[seq_id] = live
+            self._lane(index).add(live)
         finally:
             self._joining[index] -= 1
             if not self._joining[index]:
                 del self._joining[index]
-        seq = Sequence(seq_id, list(prompt), params)
-        live = Live(seq)
-        self._live[seq_id] = live
-        self._metrics.queue.set(len(self._live))
-        self._lane(index).add(live)
+            self._census()
         return live
+
+    def _census(self) -> None:
+        """The request counts on the metrics: active sequences, and those running (in a verify call once) and
+        waiting (not yet, or still asking for their KV reservation). Taken as they change and after each round."""
+        unscheduled = sum(1 for x in self._live.values() if x.scheduled is None)
+        joining = sum(self._joining.values())
+        self._metrics.census(len(self._live), len(self._live) - unscheduled, unscheduled + joining)
+
+    def _recorded(self, record: StepRecord) -> None:
+        """A lane's round ended: its record kept for stats(), the census taken (sequences it scheduled run now)."""
+        self._records.append(record)
+        self._census()
 
     async def _reserve(self, index: int, seq_id: str, tokens: int) -> None:
         """Reserve the sequence's KV on the lane's target replica (the one its calls will reach), or Overloaded."""
@@ -206,6 +220,7 @@ class Router:
                 f"{reserved.replica}, {reserved.budget} tokens (target_pool.kv_budget_tokens)"
             )
         if not reserved.granted:
+            self._metrics.refused("kv_budget")
             raise Overloaded(
                 f"KV budget: {reserved.held} of {reserved.budget} tokens reserved on target replica "
                 f"{reserved.replica}, and this request needs {tokens} (prompt + max_tokens)"
@@ -242,7 +257,7 @@ class Router:
             self._target,
             self._info.eos_ids,
             self._decode,
-            self._records.append,
+            self._recorded,
             self._metrics,
             self._costs,
             self._drafting,

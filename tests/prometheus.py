@@ -1,5 +1,6 @@
 """Prometheus for the metrics tests: a scrape's samples, the metric names a PromQL query reads, the
-names Ray exports a metric under, and the Grafana dashboard's queries.
+names Ray exports a metric under, the Grafana dashboard's queries and its template variables' values
+(tests/promql.py evaluates the queries).
 
 Ray 2.60's metrics agent prefixes every application metric with `ray_` and gives a counter the
 suffix `_total` when its name lacks one (`spec_decode_num_drafts` -> `ray_spec_decode_num_drafts_total`,
@@ -77,13 +78,18 @@ def panel_queries() -> dict[str, list[str]]:
     return {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard()["panels"]}
 
 
-def evaluate_on_totals(expr: str, scraped: list[Sample]) -> float:
-    """A ratio query of `sum(rate(counter[...]))` terms, each read as the counter's total: over a window
-    holding a whole run from Ray's start (counters from 0), each rate is its total over the same span,
-    so the query equals the totals' arithmetic."""
-    arithmetic = re.sub(
-        r"sum\(rate\(([a-zA-Z_:][a-zA-Z0-9_:]*)\[[^\]]*\]\)\)", lambda m: repr(total(scraped, m[1])), expr
-    )
-    if not re.fullmatch(r"[0-9.e+\-*/() ]+", arithmetic):
-        raise ValueError(f"not a ratio of sum(rate(...)) terms: {expr}")
-    return float(eval(arithmetic))  # digits and + - * / ( ) only, checked above
+def grafana(expr: str, variables: dict[str, str]) -> str:
+    """`expr` with Grafana's template variables (`$name`, `${name}`) replaced by their values."""
+
+    def value(m: re.Match[str]) -> str:
+        name = m[1] or m[2]
+        if name not in variables:
+            raise KeyError(f"template variable ${name} has no value: {expr}")
+        return variables[name]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, expr)
+
+
+def regex_value(text: str) -> str:
+    """A value as Grafana writes it into a regex matcher: regex characters escaped (twice: in a PromQL string)."""
+    return re.sub(r"[\\^$*+?.()|{}\[\]]", lambda m: "\\\\" + m[0], text)

@@ -213,3 +213,17 @@ def test_specserve_serve_model_flags_replace_the_configs_models_and_drafter() ->
     flags = argparse.Namespace(model="qwen-1.5b", draft="qwen-0.5b", drafter=None, tp=None)
     config = AppConfig.model_validate(with_overrides(args, model_overrides(flags)))
     assert (config.draft_model, config.drafter.tree_width) == ("qwen-0.5b", 2), "the config's drafter kept"
+
+
+def test_specserve_serve_qwen_with_its_draft_is_make_runs_config() -> None:
+    """`specserve serve qwen-1.5b --draft qwen-0.5b` (vLLM's `vllm serve MODEL --speculative-config` form) builds
+    the very application deploy/local.yaml describes: the same AppConfig, field for field."""
+    import argparse
+
+    from deploy.local.cli import model_overrides
+    from deploy.local.demo import app_block, with_overrides
+
+    _, args = app_block(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml")
+    flags = argparse.Namespace(model="qwen-1.5b", draft="qwen-0.5b", drafter=None, tp=None)
+    one_line = AppConfig.model_validate(with_overrides(args, model_overrides(flags)))
+    assert one_line == AppConfig.model_validate(args)

@@ -56,3 +56,18 @@ def test_a_pre_draft_that_drafted_for_no_sequence_counts_nothing(ray_metrics: Fa
     metrics.ahead(2, 1, "late")
     assert made["specserve_predraft_sequences_total"].by("outcome") == {"late": 2}
     assert made["specserve_draft_tokens_unverified_total"].total == 1
+
+
+def test_a_request_ends_once_on_the_metrics(ray_metrics: FakeRayMetrics) -> None:
+    """A lane fails a request (error), then its stream ends at the router (which counts a client gone): one end,
+    the first, under specserve's finish_reason and vLLM's finished_reason; a client gone is vLLM's abort."""
+    metrics, made = RouterMetrics("m"), ray_metrics.made
+    failed, left = Live(sequence(), admitted=0.0), Live(sequence(), admitted=0.0)
+    metrics.finished(failed, "error", 1.0)
+    metrics.finished(failed, "cancelled", 2.0)
+    metrics.finished(left, "cancelled", 3.0)
+    assert made["specserve_requests_total"].by("finish_reason") == {"error": 1, "cancelled": 1}
+    assert made["vllm_request_success"].by("finished_reason") == {"error": 1, "abort": 1}
+    assert made["vllm_e2e_request_latency_seconds"].total == 1.0 + 3.0
+    assert "vllm_request_prefill_time_seconds" not in {n for n, r in made.items() if r.total}  # never prefilled
+    assert made["specserve_acceptance_length"].total == 0  # no whole request to measure
