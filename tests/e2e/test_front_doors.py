@@ -237,11 +237,12 @@ def test_n_choices_and_ignored_fields_through_serves_proxy(served: dict) -> None
 
 
 def metric_total(text: str, name: str) -> float:
-    """Sum of every sample of a metric (any tags) in Prometheus text format; Ray prefixes `ray_`."""
+    """Sum of every sample of a metric (any tags) in Prometheus text format; Ray prefixes `ray_` (the name exactly:
+    `spec_decode_num_drafts_total` is not `vllm_spec_decode_num_drafts_total`, its vLLM-named twin)."""
     total = 0.0
     for line in text.splitlines():
         sample = line.split("{")[0].split(" ")[0]
-        if not line.startswith("#") and sample.endswith(name):
+        if not line.startswith("#") and sample == f"ray_{name}":
             total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Op
     log_path = root / "serve-run.log"
     serve_cli = shutil.which("serve")
     assert serve_cli, "Ray Serve's CLI (`serve`) is installed with ray[serve]"
-    env = {**os.environ, "RAY_TMPDIR": str(root), "TOKENIZERS_PARALLELISM": "false"}
+    ray_temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths (<= 107 bytes) live under it
+    env = {**os.environ, "RAY_TMPDIR": ray_temp, "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("w") as log:
         server = subprocess.Popen(
             [serve_cli, "run", str(path)],
@@ -64,6 +66,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Op
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
+        shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 def test_serve_run_of_the_shipped_yaml_answers_the_openai_client(
