@@ -131,11 +131,11 @@ class ModelConfig(ModelSettings):
     )
     quantize: Quantize = Field(
         default="none",
-        description="int8: the Linear layers' weights in int8, quantized at load (torch's int8 kernels, "
-        "speculative/engine/cpu/int8_linear.py, CPU only), the rest in float32; int4: 4-bit weight groups for "
-        "forwards of a few tokens, the model in bfloat16 (speculative/engine/cpu/int4_linear.py, CPU only); auto: "
-        "int4 on a CPU with native bfloat16, int8 on other CPUs, none on a GPU. Only a draft model takes it "
-        "(drafts never change output).",
+        description="int8: the Linear layers' weights in int8, quantized at load (our AVX2 kernel for a few "
+        "rows, torch's int8 kernels elsewhere: speculative/engine/cpu/int8_linear.py, CPU only), the rest in "
+        "float32; int4: 4-bit weight groups for forwards of a few tokens, the model in bfloat16 "
+        "(speculative/engine/cpu/int4_linear.py, CPU only); auto: int4 on a CPU with native bfloat16, int8 on "
+        "other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
     )
 
     weights: Weights = Field(

@@ -82,7 +82,7 @@ class VllmMetrics:
     def finished(self, live: Live, reason: str, now: float) -> None:
         """The request ended with specserve's `reason` (stop, length, cancelled, error)."""
         seq = live.seq
-        self.success.inc(1, tags={"finished_reason": FINISHED_REASON[reason]})
+        self.success.inc(1, tags={"finished_reason": FINISHED_REASON.get(reason, reason)})
         self.prompt_length.observe(len(seq.prompt))
         self.generation_length.observe(len(seq.output))
         self.e2e.observe(now - live.admitted)

@@ -1,5 +1,5 @@
-"""`draft_quantize: int8` (speculative/engine/cpu/int8_linear.py): int8 draft layers on torch's int8 kernels,
-within a stated distance of the float layer, and none of torch's deprecated quantization APIs."""
+"""`draft_quantize: int8` (speculative/engine/cpu/int8_linear.py): int8 draft layers on our AVX2 kernel and torch's
+int8 kernels, within a stated distance of the float layer, and none of torch's deprecated quantization APIs."""
 
 from __future__ import annotations
 
