@@ -68,6 +68,7 @@ def kernels() -> list[Extension]:
             [f"speculative/engine/cpu/kernels/{name}.c"],
             extra_compile_args=compiled.compile_args(name),
             extra_link_args=list(build.link),
+            depends=[f"speculative/engine/cpu/kernels/{header}" for header in build.headers],
             optional=True,
         )
         for name, build in compiled.BUILDS.items()

@@ -141,9 +141,10 @@ class ModelConfig(ModelSettings):
     weights: Weights = Field(
         default="dequantized",
         description="stored: the Linear layers on the quantized tensors of the GGUF file the model folder keeps "
-        "(Q4_K, Q6_K, Q8_0; the registry's models keep theirs), read as stored by an AVX-512 VNNI kernel "
-        "(speculative/engine/cpu/kquant.py; other formats stay dense); auto: stored where the folder has a GGUF "
-        "file and this CPU runs the kernel, else dequantized; dequantized: the weights expanded to `dtype`.",
+        "(Q4_K, Q6_K, Q8_0; the registry's models keep theirs), read as stored by our kernels (AVX-512 VNNI, "
+        "else AVX2: speculative/engine/cpu/kquant.py; other formats stay dense); auto: stored where the folder "
+        "has a GGUF file and this CPU runs the kernel, else dequantized; dequantized: the weights expanded to "
+        "`dtype`.",
     )
 
     @model_validator(mode="after")
@@ -151,7 +152,7 @@ class ModelConfig(ModelSettings):
         if self.quantize in CPU_QUANTIZE and self.device != "cpu":
             raise ValueError(f"quantize: {self.quantize!r} runs on CPU only (torch's CPU kernels); use device: cpu")
         if self.weights == "stored" and self.device != "cpu":
-            raise ValueError("weights: 'stored' runs on CPU only (its kernel is AVX-512 VNNI); use device: cpu")
+            raise ValueError("weights: 'stored' runs on CPU only (its kernels are x86 CPU code); use device: cpu")
         if self.weights == "stored" and self.graphs == "on":
             raise ValueError("weights: 'stored' runs op by op (its kernel is a C call); set graphs: 'off'")
         if self.weights != "dequantized" and self.quantize != "none":

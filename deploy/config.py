@@ -232,8 +232,8 @@ class AppConfig(ModelSettings):
     target_weights: Weights = Field(
         default="dequantized",
         description="auto: the target's Linear layers at the precision its GGUF file stores them (Q4_K, Q6_K, "
-        "Q8_0 through an AVX-512 VNNI kernel; registry models keep their GGUF), where the CPU runs the kernel and "
-        "tp_size is 1, else dequantized; stored: that or an error saying why not; dequantized: the weights "
+        "Q8_0 through our AVX-512 VNNI or AVX2 kernel; registry models keep their GGUF), where the CPU runs a "
+        "kernel and tp_size is 1, else dequantized; stored: that or an error saying why not; dequantized: the weights "
         "expanded to `dtype` (the Hugging Face model itself: what exactness tests against transformers use).",
     )
     tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree of each target replica.")

@@ -53,7 +53,7 @@ def gguf_file(folder: str | Path) -> Path | None:
 def unavailable(folder: str | Path, model: PreTrainedModel) -> str | None:
     """Why `model` (loaded from `folder`) cannot have stored-precision weights here, or None where it can."""
     if kquant.library() is None:
-        return "the GGUF kernel needs an x86 CPU with AVX-512 VNNI and BF16 and a C compiler"
+        return "the GGUF kernels need an x86 CPU with AVX2 and FMA (or AVX-512 VNNI) and a C compiler"
     if next(model.parameters()).device.type != "cpu":
         return "stored-precision weights run on the CPU"
     if next(model.parameters()).dtype not in (torch.float32, torch.bfloat16):

@@ -1,8 +1,8 @@
 """The real target at its stored precision: Qwen2.5-Coder 1.5B's Linear layers on its Q4_K_M GGUF tensors
 (`target_weights: auto` in `deploy/local.yaml`), its forwards made batch invariant as a target replica makes
-them. Greedy output with speculation (chain, tree, lookup and hybrid drafts from the int4 0.5B draft the YAML
-ships) is plain decoding's on the same kernels, token for token, over the deterministic check's 12 prompts,
-and a verify row's logits are the one-token step's bits.
+them. Greedy output with speculation (chain, tree, lookup and hybrid drafts from the quantized 0.5B draft the
+YAML ships for this CPU) is plain decoding's on the same kernels, token for token, over the deterministic
+check's 12 prompts and 4 chats, and a verify row's logits are the one-token step's bits.
 
 Without the kernel's fixed reduction order (or without invariant attention beside it) a verify's rows round
 unlike the steps', and greedy output parts from plain decoding on some prompts.
@@ -21,7 +21,15 @@ from speculative.drafters.config import drafter_config
 from speculative.engine import gguf_weights
 from speculative.engine.cpu import kquant
 from speculative.engine.invariant import make_deterministic
-from speculative.engine.loading import LoadedModel, chat_ids, load_model, with_kernels
+from speculative.engine.loading import (
+    LoadedModel,
+    chat_ids,
+    load_dtype,
+    load_model,
+    resolve_dtype,
+    resolve_quantize,
+    with_kernels,
+)
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
 from speculative.rules.sampling import SamplingParams
@@ -29,7 +37,10 @@ from speculative.target import TargetVerifier
 from tests.e2e.test_deterministic_bf16 import CHATS, COMPLETIONS, verify_rows_and_steps
 from tests.fetched import fetched_dir, free_memory
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(kquant.library() is None, reason="no AVX-512 VNNI CPU here")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(kquant.library() is None, reason="no AVX2 CPU or no kernel build here"),
+]
 
 NEW_TOKENS = 64
 DRAFTERS = {
@@ -42,16 +53,19 @@ DRAFTERS = {
 
 @cache
 def stored_pair() -> tuple[LoadedModel, torch.nn.Module]:
-    """The target on its GGUF tensors (bfloat16 activations, invariant forwards) and the int4 draft."""
+    """The target on its GGUF tensors (invariant forwards) and the quantized draft, as `deploy/local.yaml` loads
+    them on this CPU (`dtype: auto`, `draft_quantize: auto`: bfloat16 activations and the int4 draft where the
+    CPU computes bfloat16 natively, float32 and the int8 draft elsewhere)."""
     folder = fetched_dir("qwen-1.5b")
-    target = load_model(str(folder), "bfloat16")
+    target = load_model(str(folder), resolve_dtype("auto"))
     path = gguf_weights.gguf_file(folder)
     assert path is not None, "modelstore keeps the GGUF file beside the converted weights"
     stored = gguf_weights.use_stored(target.model, path)
     assert stored.moved == {"Q4_K": 168, "Q6_K": 29} and not stored.dense
     assert make_deterministic(target.model) is None
-    draft = load_model(str(fetched_dir("qwen-0.5b")), "bfloat16")
-    return target, with_kernels(draft.model, "int4", "onednn")
+    quantize = resolve_quantize("auto")
+    draft = load_model(str(fetched_dir("qwen-0.5b")), load_dtype("auto", quantize))
+    return target, with_kernels(draft.model, quantize, "onednn")
 
 
 def prompts() -> list[list[int]]:

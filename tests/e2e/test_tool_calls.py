@@ -18,6 +18,8 @@ import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from speculative.engine import gguf_weights
+from speculative.engine.invariant import make_deterministic
 from speculative.engine.loading import with_kernels
 from speculative.rules.grammar import GrammarCompiler
 from tests.fetched import fetched_dir
@@ -76,9 +78,16 @@ def _loaded(name: str) -> Any:
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
     tokenizer = AutoTokenizer.from_pretrained(str(fetched_dir("qwen-1.5b")))
-    # The served path's CPU kernels (deploy/local.yaml): the target's Linear layers prepacked through oneDNN, the
-    # draft's quantized as `draft_quantize: auto` picks; float32 activations, so the same on every CPU.
-    target = with_kernels(_loaded("qwen-1.5b"), "none", "onednn")
+    # The served path's CPU kernels (deploy/local.yaml), in float32 activations on every CPU: the target at its
+    # GGUF file's precision, its forwards batch invariant as a replica makes them, where this CPU runs the kernel
+    # (else its Linear layers prepacked through oneDNN); the draft's quantized as `draft_quantize: auto` picks.
+    target = _loaded("qwen-1.5b")
+    folder = fetched_dir("qwen-1.5b")
+    if gguf_weights.unavailable(folder, target) is None:
+        gguf_weights.use_stored(target, gguf_weights.gguf_file(folder))  # type: ignore[arg-type]
+        assert make_deterministic(target) is None
+    else:
+        target = with_kernels(target, "none", "onednn")
     draft = with_kernels(_loaded("qwen-0.5b"), "int8", "onednn")
     grammars = GrammarCompiler.from_hf(tokenizer)
     ingress = TinyIngress(front_door(tokenizer, 4096), target, draft, grammars=grammars)

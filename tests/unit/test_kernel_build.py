@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from speculative.engine.cpu import attention, compiled, int4_vnni, kquant
+from speculative.engine.cpu import attention, compiled, int4_vnni, int8_avx2, kquant
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
@@ -28,6 +28,11 @@ def test_every_kernel_source_has_a_build_named_by_its_hash(tmp_path: Path, monke
         source.write("\n/* changed */\n")
     monkeypatch.setattr(compiled, "KERNELS", tmp_path)
     assert compiled.module("int4_vnni") != before
+    # a header the GGUF kernels share renames both builds
+    shared = {name: compiled.module(name) for name in ("kquant_vnni", "kquant_avx2")}
+    with (tmp_path / "kquant_common.h").open("a") as header:
+        header.write("\n/* changed */\n")
+    assert all(compiled.module(name) != module for name, module in shared.items())
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
@@ -57,10 +62,17 @@ def test_setup_builds_every_kernel_and_a_missing_one_is_no_error(
         assert compiled.library("attention", "invariant attention", {"attend": ([], None)}) is None
 
 
-@pytest.mark.skipif(not compiled.cpu_supports(), reason="no AVX-512 VNNI and BF16 CPU here")
-def test_the_install_built_every_kernel_this_cpu_runs() -> None:
-    """Where the CPU runs them, the install (`make setup`: pip install -e .) has built every kernel: a build that
-    silently failed would otherwise only skip their tests."""
-    assert int4_vnni.library() is not None
-    assert kquant.library() is not None
-    assert attention.library() is not None
+@pytest.mark.parametrize("name", sorted(compiled.BUILDS))
+def test_the_install_built_every_kernel_this_cpu_runs(name: str) -> None:
+    """Where the CPU runs a kernel, the install (`make setup`: pip install -e .) has built it: a build that
+    silently failed would otherwise only skip its tests. On an AVX2 CPU the GGUF weights load the AVX2 kernel."""
+    if not compiled.cpu_supports(compiled.BUILDS[name].cpu):
+        pytest.skip(f"{name} needs {sorted(compiled.BUILDS[name].cpu)}, which this CPU lacks")
+    assert (compiled.KERNELS / f"{compiled.module(name)}{SUFFIX}").exists()
+    loaded = {"int4_vnni": int4_vnni.library, "int8_avx2": int8_avx2.library, "attention": attention.library}
+    if name in loaded:
+        assert loaded[name]() is not None
+    lib = kquant.library()
+    assert lib is not None  # every CPU that runs one of the kernels runs the AVX2 GGUF kernel
+    picked = next(kernel for kernel in kquant.KERNELS if compiled.cpu_supports(compiled.BUILDS[kernel].cpu))
+    assert Path(lib._name).name.startswith(f"{picked}_")

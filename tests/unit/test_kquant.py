@@ -33,7 +33,7 @@ from speculative.target import TargetVerifier
 from tests.tiny_models import noisy_copy
 from tests.unit.test_greedy_exact import PROMPTS
 
-pytestmark = pytest.mark.skipif(kquant.library() is None, reason="no AVX-512 VNNI CPU or no C compiler here")
+pytestmark = pytest.mark.skipif(kquant.library() is None, reason="no AVX2 CPU or no C compiler here")
 
 Q4_K, Q6_K, Q8_0 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0
 # each Linear of the model in one of the three formats (the LM head as GGUF's `output`)

@@ -1,5 +1,5 @@
 """Our C kernels (`kernels/*.c`): built when the package is installed, loaded here with ctypes by their modules
-(`int4_vnni`, `kquant`, `attention`).
+(`int4_vnni`, `int8_avx2`, `kquant`, `attention`).
 
 setup.py makes each kernel of `BUILDS` an optional extension: `pip install .` (a wheel) and `pip install -e .`
 (`make setup`; beside the sources) compile it with the system C compiler, and a missing compiler or a failed build
@@ -30,18 +30,26 @@ AVX2_CPU = frozenset({"avx2", "fma"})
 
 class Build(NamedTuple):
     """A kernel's instruction sets (compiler flags, and the CPU flags it then needs), its compiler flags beyond
-    -O3 and those, and its linker flags."""
+    -O3 and those, its linker flags, and the headers of kernels/ it includes."""
 
     isa: tuple[str, ...] = AVX512_FLAGS
     cpu: frozenset[str] = AVX512_CPU
     flags: tuple[str, ...] = ()
     link: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
 
 
+# the GGUF weights' kernels: threads through OpenMP, float steps as written (no contracted FMAs), one driver
+GGUF: dict[str, Any] = {
+    "flags": ("-fopenmp", "-ffp-contract=off"),
+    "link": ("-fopenmp",),
+    "headers": ("kquant_common.h",),
+}
 BUILDS = {  # kernels/<name>.c -> how it builds
     "int4_vnni": Build(),
     "int8_avx2": Build(isa=AVX2_FLAGS, cpu=AVX2_CPU),
-    "kquant_vnni": Build(flags=("-fopenmp", "-ffp-contract=off"), link=("-fopenmp",)),
+    "kquant_vnni": Build(**GGUF),
+    "kquant_avx2": Build(isa=(*AVX2_FLAGS, "-mf16c"), cpu=AVX2_CPU | {"f16c"}, **GGUF),
     "attention": Build(flags=("-ffp-contract=off",)),  # batch invariance: no fused multiply-adds the order decides
 }
 
@@ -52,9 +60,10 @@ def compile_args(name: str) -> list[str]:
 
 
 def module(name: str) -> str:
-    """Kernel `name`'s extension module under PACKAGE: `<name>_<hash of its source and flags>`."""
+    """Kernel `name`'s extension module under PACKAGE: `<name>_<hash of its source, headers and flags>`."""
     build = " ".join([*compile_args(name), *BUILDS[name].link]).encode()
-    return f"{name}_{hashlib.sha256((KERNELS / f'{name}.c').read_bytes() + build).hexdigest()[:16]}"
+    sources = [KERNELS / f"{name}.c", *(KERNELS / header for header in BUILDS[name].headers)]
+    return f"{name}_{hashlib.sha256(b''.join(p.read_bytes() for p in sources) + build).hexdigest()[:16]}"
 
 
 def cpu_supports(needed: frozenset[str] = AVX512_CPU) -> bool:

@@ -1,4 +1,5 @@
-"""GGUF-quantized Linear weights at their stored precision (Q4_K, Q6_K, Q8_0) and their kernel, `kquant_vnni.c`.
+"""GGUF-quantized Linear weights at their stored precision (Q4_K, Q6_K, Q8_0) and their kernels: `kquant_vnni.c`
+on CPUs with AVX-512 VNNI, else `kquant_avx2.c` (one layout, one interface, the same integer sums and float steps).
 
 A GGUF tensor's blocks are decoded once at load into codes and scales (`decode`), laid out for the kernel
 (`pack`), and multiplied by `matmul`: activations quantized to int8 per 32 inputs, weights read as stored.
@@ -22,7 +23,8 @@ import torch
 
 from speculative.engine.cpu import compiled
 
-TILE = 16  # outputs per tile, as in the C source
+TILE = 16  # outputs per tile, as in the C sources
+KERNELS = ("kquant_vnni", "kquant_avx2")  # builds of compiled.BUILDS, the first this CPU runs taken
 Q4_K, Q6_K, Q8_0 = 12, 14, 8  # GGML's type ids
 NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q8_0: "Q8_0"}
 BLOCK_BYTES = {Q4_K: 144, Q6_K: 210, Q8_0: 34}  # a GGUF block's bytes
@@ -31,11 +33,15 @@ BLOCK_INPUTS = {Q4_K: 256, Q6_K: 256, Q8_0: 32}
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel as the install built it; None where this machine cannot run it or it was not built."""
+    """The kernel as the install built it, AVX-512 VNNI's where this CPU has it, else AVX2's; None where this
+    machine can run neither or it was not built."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
     many = ([count, pointer, pointer, pointer, count, pointer, count, pointer, count, count], ctypes.c_int)
-    place = ([pointer, count], ctypes.c_int)
-    return compiled.library("kquant_vnni", "GGUF target weights", {"kquant_mm_many": many, "kquant_place": place})
+    functions = {"kquant_mm_many": many, "kquant_place": ([pointer, count], ctypes.c_int)}
+    for name in KERNELS:
+        if compiled.cpu_supports(compiled.BUILDS[name].cpu):
+            return compiled.library(name, "GGUF target weights", functions)
+    return None
 
 
 _threads: int | None = None  # the kernel's threads while `borrowing`; None: torch's thread count
@@ -164,7 +170,7 @@ def pack(c: Codes) -> torch.Tensor:
 def _checked(rows: torch.Tensor) -> ctypes.CDLL:
     lib = library()
     if lib is None:
-        raise RuntimeError("the GGUF weights' kernel cannot run on this machine (AVX-512 VNNI and a C compiler)")
+        raise RuntimeError("the GGUF weights' kernel cannot run on this machine (AVX2 or AVX-512 VNNI, a C compiler)")
     if rows.dtype not in (torch.float32, torch.bfloat16) or rows.device.type != "cpu":
         raise ValueError(
             f"the GGUF kernel takes float32 or bfloat16 rows on the CPU, not {rows.dtype} on {rows.device}"

@@ -25,33 +25,12 @@
 //     of high chunk h holds bits 4-5 of u for inputs 16h + b (bits 0-1), 16h + 4 + b (2-3), 16h + 8 + b (4-5)
 //     and 16h + 12 + b (6-7).
 //   Q8_0, per 32 inputs (544 bytes): d[16] fp16, then 8 chunks of 64 bytes: chunk k holds input 4k + b.
-#define _GNU_SOURCE
-#include <immintrin.h>
-#include <omp.h>
-#include <sched.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "kquant_common.h"  // first: it defines _GNU_SOURCE
 
-#define TILE 16
-#define GROUP 32
+#include <immintrin.h>
+
 #define MAX_ROWS 8
 #define CHAINED_ROWS 4  // from this many rows up, a row's integer sums run in one chain
-#define Q4_K 12  // GGML's type ids
-#define Q6_K 14
-#define Q8_0 8
-#define Q4_K_BYTES 2368  // per tile and 256 inputs
-#define Q6_K_BYTES 3360
-#define Q8_0_BYTES 544  // per tile and 32 inputs
-#define PREFETCH 1024  // bytes ahead of the block in use, fetched into L1
- // bytes ahead of the block in use, fetched into L2
-
-typedef struct {
-    const int8_t* xq;  // [M, I] int8
-    const float* xs;  // [M, G] each group's scale
-    const int32_t* sums;  // [M, 2G] sum of xq per 16 inputs
-    int I, G;
-} Rows;
 
 static inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static inline __m512 u8x16(const uint8_t* p) {
@@ -219,17 +198,6 @@ static void quantize_rows(const void* x, int M, int I, int bf16, int8_t* xq, flo
     }
 }
 
-static __thread int8_t* scratch;
-static __thread size_t scratch_bytes;
-
-// Bytes of one tile's weights of `I` inputs in format `type`; 0 for a format or width this kernel does not take
-long kquant_tile_bytes(int type, int I) {
-    if (type == Q4_K && I % 256 == 0) return (long)(I / 256) * Q4_K_BYTES;
-    if (type == Q6_K && I % 256 == 0) return (long)(I / 256) * Q6_K_BYTES;
-    if (type == Q8_0 && I % 32 == 0) return (long)(I / 32) * Q8_0_BYTES;
-    return 0;
-}
-
 // One tile of outputs of y [M, O] = x W^T: tile t of W (format `type`), all M rows
 static void one_tile(int type, const uint8_t* w, int O, int t, const Rows* rows, int M, void* y, int bf16) {
     int left = O - t * TILE;
@@ -251,61 +219,3 @@ static void one_tile(int type, const uint8_t* w, int O, int t, const Rows* rows,
     }
 }
 
-// ys[k] [M, Os[k]] = x [M, I] Ws[k]^T for k < n (x and y float32, or bfloat16 where `bf16`): x is quantized
-// once, and `threads` threads split the tiles of outputs of all n weights (q, k and v of a layer in one call).
-// Returns 0, or -1 (nothing written) for a format or width not taken, n outside 1..8, M < 1, or no memory.
-int kquant_mm_many(int n, const int* types, const uint8_t* const* Ws, const int* Os, int I, const void* x, int M,
-                   void* const* ys, int bf16, int threads) {
-    if (n < 1 || n > 8 || M < 1) return -1;
-    long tile_bytes[8];
-    int first[9] = {0};  // first[k]: weight k's first tile in the joint order
-    for (int k = 0; k < n; k++) {
-        tile_bytes[k] = kquant_tile_bytes(types[k], I);
-        if (tile_bytes[k] == 0) return -1;
-        first[k + 1] = first[k] + (Os[k] + TILE - 1) / TILE;
-    }
-    int G = I / GROUP;
-    size_t need = (size_t)M * I + sizeof(float) * (size_t)M * G + sizeof(int32_t) * 2 * (size_t)M * G + 64;
-    if (need > scratch_bytes) {
-        free(scratch);
-        scratch = (int8_t*)malloc(need);
-        scratch_bytes = scratch ? need : 0;
-        if (!scratch) return -1;
-    }
-    float* xs = (float*)(((uintptr_t)(scratch + (size_t)M * I) + 63) & ~(uintptr_t)63);
-    int32_t* sums = (int32_t*)(xs + (size_t)M * G);
-    quantize_rows(x, M, I, bf16, scratch, xs, sums);
-    Rows rows = {scratch, xs, sums, I, G};
-    // guided: a thread that the OS preempts (a borrowed core's other work) leaves its share to the others
-#pragma omp parallel for schedule(guided, 8) num_threads(threads > 0 ? threads : 1)
-    for (int j = 0; j < first[n]; j++) {
-        int k = 0;
-        while (j >= first[k + 1]) k++;
-        int t = j - first[k];
-        one_tile(types[k], Ws[k] + (size_t)t * tile_bytes[k], Os[k], t, &rows, M, ys[k], bf16);
-    }
-    return 0;
-}
-
-// y [M, O] = x [M, I] W^T: `kquant_mm_many` of one weight.
-int kquant_mm(int type, const uint8_t* W, int O, int I, const void* x, int M, void* y, int bf16, int threads) {
-    return kquant_mm_many(1, &type, &W, &O, I, x, M, &y, bf16, threads);
-}
-
-// Pins the threads of a later kquant_mm(threads = n): thread i (i >= 1) to core cores[i]; thread 0, the caller,
-// stays where it is. A thread's team belongs to its calling thread, so the caller pins before each use. Returns 0,
-// or -1 where a core was refused (the threads run where they were).
-int kquant_place(const int* cores, int n) {
-    int failed = 0;
-#pragma omp parallel num_threads(n) reduction(| : failed)
-    {
-        int i = omp_get_thread_num();
-        if (i > 0) {
-            cpu_set_t set;
-            CPU_ZERO(&set);
-            CPU_SET(cores[i], &set);
-            failed |= sched_setaffinity(0, sizeof set, &set) != 0;
-        }
-    }
-    return failed ? -1 : 0;
-}
