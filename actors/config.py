@@ -133,9 +133,10 @@ class ModelConfig(ModelSettings):
         default="none",
         description="int8: the Linear layers' weights in int8, quantized at load (our AVX2 kernel for a few "
         "rows, torch's int8 kernels elsewhere: speculative/engine/cpu/int8_linear.py, CPU only), the rest in "
-        "float32; int4: 4-bit weight groups for forwards of a few tokens, the model in bfloat16 "
-        "(speculative/engine/cpu/int4_linear.py, CPU only); auto: int4 on a CPU with native bfloat16, int8 on "
-        "other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
+        "float32; int4: 4-bit weight groups (speculative/engine/cpu/int4_linear.py, CPU only): for forwards of a "
+        "few tokens in a bfloat16 model where the CPU computes bfloat16 natively, else for every forward of a "
+        "float32 model on the AVX2 GGUF kernel; auto: int4 on a CPU with native bfloat16 or the AVX2 kernel, int8 "
+        "on other CPUs, none on a GPU. Only a draft model takes it (drafts never change output).",
     )
 
     weights: Weights = Field(

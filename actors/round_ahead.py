@@ -14,9 +14,13 @@ the context, where the quote runs deeper); when not, the sequence is drafted aga
 round's start.
 
 A pre-draft drafts until its verdict is expected at the router: the verify's predicted seconds plus
-a learned offset (the calls' hops and the prediction's bias, `StepCosts.ahead_deadline`). The round
-waits for a pre-draft at most as long as its verify took (a catch-up: until it answers, within its
-call's deadline); a later one is dropped, and the pool is not called again until it has answered.
+a learned offset (the calls' hops and the prediction's bias, `StepCosts.ahead_deadline`), or, where the
+planner chose a depth whose draft takes longer (priced overlapped: the round costs the longer of the
+two), until that depth's predicted seconds: where a draft forward costs a large share of the verify
+(a 0.5B draft of a 1.5B target on its own core), drafts cut to the verify's length would stay shallow
+round after round. The round waits for a pre-draft at most as long as its verify took or its deadline
+(a catch-up: until it answers, within its call's deadline); a later one is dropped, and the pool is not
+called again until it has answered.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class PreDraft:
     released: list[str]  # sequence ids the call tells the worker to forget (restored if it fails)
     catching_up: bool = False  # its sequence's prompt is caught up on (`RoundAhead.catches_up`): awaited whole
     predicted: float | None = None  # the verify's predicted seconds its deadline was sized from (None: no deadline)
+    deadline: float = 0.0  # its drafting's deadline, seconds from its start (0: none)
     answered: float | None = None  # `time.perf_counter()` when the pool answered
 
     def on_answer(self, _: asyncio.Task[Drafted]) -> None:
@@ -151,6 +156,8 @@ class RoundAhead:
         seqs, costs = [x.seq for x in lives], self.speculation.costs
         predicted = None if catching_up else self.speculation.verify_seconds(seqs, list(trees.values()))
         deadline = None if predicted is None or costs is None else costs.ahead_deadline(predicted)
+        if deadline is not None and costs is not None:  # the plan's depth, where its draft outlasts the verify
+            deadline = max(deadline, costs.ahead_draft_seconds(max(d for _, d in picked)))
         requests, sequences = [], []
         for live, depth in picked:
             seq, tree = live.seq, trees[live.seq.seq_id]
@@ -165,7 +172,7 @@ class RoundAhead:
             seq.stats.record_model_draft(len(request.tokens), 0)
         work = send_work(zip([x for x, _ in picked], requests, strict=True))
         task, released = self.calls.send(g, cache_key, requests, work)
-        pre = PreDraft(g, task, sequences, released, catching_up, predicted)
+        pre = PreDraft(g, task, sequences, released, catching_up, predicted, deadline or 0.0)
         task.add_done_callback(pre.on_answer)
         return pre
 
@@ -203,7 +210,8 @@ class RoundAhead:
         the proposals of `group`'s (the pre-draft's group) next round; None: nothing came in time. A hit
         yields to prompt lookup's quote of the context where the quote runs deeper (`_quoted_deeper`).
 
-        Waits at most `verify_s` (the verify's own duration) for the pre-draft; a later one is left to
+        Waits at most `verify_s` (the verify's own duration) or the pre-draft's deadline, the longer, for the
+        pre-draft; a later one is left to
         finish, its drafts dropped (the pool is not called again until it answers). One catching up on a
         prompt is awaited whole: the next round would otherwise wait for that catch-up and a draft. When every sequence
         of it is still prefilling (a chunk of a long prompt), nothing of it can be taken: the next chunk's
@@ -213,7 +221,7 @@ class RoundAhead:
             self.metrics.ahead(pre.drafting, 0, "settled")  # misses: drafted for a prompt not yet done
             return None
         # (a catch-up's wait ends within its call's own deadline, sized to its work: `DraftCalls.send`)
-        done, _ = await asyncio.wait({pre.task}, timeout=None if pre.catching_up else verify_s)
+        done, _ = await asyncio.wait({pre.task}, timeout=None if pre.catching_up else max(verify_s, pre.deadline))
         if not done:
             self.drop(pre)
             self.metrics.ahead(pre.drafting, 0, "late")

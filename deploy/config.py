@@ -225,9 +225,10 @@ class AppConfig(ModelSettings):
     draft_quantize: Quantize = Field(
         default="none",
         description="int8: the draft model's Linear weights in int8 (CPU only; the rest of it in float32), "
-        "about 2x faster per draft step than bfloat16 on a CPU; int4: 4-bit weight groups for draft steps, "
-        "bfloat16 for catch-up (CPU only; fastest where bfloat16 is native); auto: int4 on CPUs with native "
-        "bfloat16, int8 on other CPUs, none on a GPU. The target is never re-quantized (`target_weights`).",
+        "about 2x faster per draft step than bfloat16 on a CPU; int4: 4-bit weight groups (CPU only): for draft "
+        "steps, bfloat16 for catch-up, where bfloat16 is native; elsewhere float32 activations on the AVX2 GGUF "
+        "kernel for every forward; auto: int4 on CPUs with native bfloat16 or the AVX2 kernel, int8 on other "
+        "CPUs, none on a GPU. The target is never re-quantized (`target_weights`).",
     )
     target_weights: Weights = Field(
         default="dequantized",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from speculative.engine.cpu.int4_linear import int4_quantized
+from speculative.engine.cpu.int4_linear import float32_kernel, int4_quantized
 from speculative.engine.cpu.int8_linear import int8_quantized
 from speculative.engine.cpu.onednn_linear import native_bf16, packed
 
@@ -61,19 +61,22 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, user: str) -> list[int]:
 
 
 def resolve_quantize(mode: str, device: str = "cpu") -> str:
-    """The draft weights' format on this machine: `auto` is int4 where a CPU computes bfloat16 natively (its
-    kernel takes bfloat16 activations), int8 on other CPUs, none on a GPU (resolved where the weights load)."""
+    """The draft weights' format on this machine: `auto` is int4 on a CPU that computes bfloat16 natively or runs
+    the AVX2 GGUF kernel (float32 activations), int8 on other CPUs, none on a GPU (resolved where the weights
+    load)."""
     if mode != "auto":
         return mode
     if device != "cpu":
         return "none"
-    return "int4" if native_bf16(device) else "int8"
+    return "int4" if native_bf16(device) or float32_kernel() else "int8"
 
 
 def load_dtype(dtype: str, quantize: str, device: str = "cpu") -> str:
     """The dtype the weights load in before `quantized` (`quantize` as `resolve_quantize` gives it): its kernels'
-    activations for int8 (float32) and int4 (bfloat16), else `resolve_dtype`."""
-    return {"int8": "float32", "int4": "bfloat16"}.get(quantize, resolve_dtype(dtype, device))
+    activations for int8 (float32) and int4 (bfloat16 where the CPU computes it natively or the AVX2 kernel is
+    not built, else float32), else `resolve_dtype`."""
+    int4 = "bfloat16" if native_bf16(device) or not float32_kernel() else "float32"
+    return {"int8": "float32", "int4": int4}.get(quantize, resolve_dtype(dtype, device))
 
 
 def quantized(model: PreTrainedModel, mode: str) -> PreTrainedModel:

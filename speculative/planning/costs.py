@@ -187,6 +187,12 @@ class StepCosts:
         reaches the router, the calls' hops and the prediction's bias included (`observe_ahead`)."""
         return max(predicted + self.ahead_offset, 0.0)
 
+    def ahead_draft_seconds(self, depth: int) -> float:
+        """A one-sequence pre-draft's predicted seconds at `depth` (its guess of the bonus one forward more),
+        calibrated; 0 before a draft round is measured."""
+        step = self.draft_step(1)
+        return 0.0 if step is None or not depth else step * (depth + 1) * self.draft_calibration
+
     def observe_ahead(self, predicted: float, fitted: float) -> None:
         """A pre-draft beside a verify predicted to take `predicted` seconds could have drafted `fitted`
         seconds before the verdict reached the router (its own seconds, less how late it answered: a pre-draft

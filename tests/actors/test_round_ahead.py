@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from actors.config import RouterConfig
 from actors.draft_calls import DraftCalls
 from actors.metrics import RouterMetrics
@@ -18,6 +20,7 @@ from actors.wire import Drafted, WireProposal, Work
 from speculative.drafters.base import Proposal
 from speculative.drafters.config import drafter_config
 from speculative.drafters.lookup import PromptLookupDrafter
+from speculative.planning.costs import StepCosts
 from speculative.planning.depth import DepthConfig
 from speculative.planning.round import Speculation
 from speculative.planning.sequence import Sequence
@@ -262,6 +265,33 @@ def test_near_max_tokens_alternatives_still_pre_draft() -> None:
     assert depth(0) is None
     planned = depth(2)  # at most 7 to go, less the cut's one token and the round after's one
     assert planned is not None and 1 <= planned <= 5
+
+
+def test_a_pre_draft_planned_longer_than_its_verify_is_awaited_to_its_deadline() -> None:
+    """Where a draft forward costs a large share of the verify (a 0.5B draft of a 1.5B target, each on one core),
+    the planner may pick a depth whose pre-draft outlasts the verify (priced overlapped: the round costs the
+    longer of the two). Its deadline is then that depth's predicted seconds, and the verdict's round waits for
+    it until that deadline instead of dropping it at the verify's length (which kept drafts shallow)."""
+    costs = StepCosts()
+    costs.draft_step.observe(1, 0.05)  # 50 ms a level for one sequence
+    assert costs.ahead_draft_seconds(4) == pytest.approx(0.25)  # the guess of the bonus, then 4 levels
+    assert costs.ahead_draft_seconds(0) == 0.0 and StepCosts().ahead_draft_seconds(4) == 0.0
+    config = RouterConfig()
+    ahead = RoundAhead(DraftCalls(None, "lane", 1, config), config, RouterMetrics(), Speculation(DepthConfig(), None))
+    pre_tree = TokenTree(7, (8, 9, 10, 11), (0, 1, 2, 3))  # spine 8, 9; the guess 10; 11 under it
+
+    async def settle(deadline: float) -> Settled | None:
+        live = Live(Sequence("s", [1, 2, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=64)))
+        live.seq.stats.steps = 3
+        task = asyncio.get_running_loop().create_future()
+        drafted = Drafted([WireProposal.encode(Proposal(pre_tree))], Work(0.0, 0.1), "d")
+        asyncio.get_running_loop().call_later(0.2, task.set_result, drafted)  # answers 0.2 s in
+        pre = PreDraft(0, task, [Ahead(live, [8, 9], 2)], [], deadline=deadline)  # type: ignore[arg-type]
+        return await ahead.settle(pre, {"s": live}, 0.02, {"s": (8, 9, 10)})  # its verify took 0.02 s
+
+    assert asyncio.run(settle(0.0)) is None, "no planned draft beyond the verify: dropped at the verify's length"
+    awaited = asyncio.run(settle(1.0))
+    assert awaited is not None and awaited.hits == 1
 
 
 def test_a_pre_draft_for_a_sequence_the_verdict_ended_is_neither_hit_nor_miss() -> None:

@@ -10,8 +10,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from speculative.engine.cpu import int4_vnni
-from speculative.engine.cpu.int4_linear import GROUP, MAX_ROWS, Int4Linear, Kernel, int4_quantized
+from speculative.engine.cpu import int4_vnni, kquant
+from speculative.engine.cpu.int4_linear import (
+    GROUP,
+    MAX_ROWS,
+    Int4Linear,
+    Kernel,
+    float32_kernel,
+    grid,
+    int4_quantized,
+)
 from speculative.engine.loading import load_dtype, native_bf16, quantized, resolve_quantize
 from tests.tiny_models import tiny_model
 
@@ -135,16 +143,36 @@ def test_a_model_is_quantized_where_groups_fit() -> None:
     assert layers and all(isinstance(m, Int4Linear) for m in layers)  # hidden 64, MLP 128: whole groups
     assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 96)
     with pytest.raises(ValueError, match=r"int4.*bfloat16"):
-        int4_quantized(tiny_model("llama"))  # float32: the kernel takes bfloat16 activations
+        int4_quantized(tiny_model("llama").to(torch.float16))
+
+
+@pytest.mark.skipif(not float32_kernel(), reason="the AVX2 GGUF kernel (which takes Q4_1) is not built here")
+def test_a_float32_model_is_quantized_onto_q4_1_weights_of_the_same_grid() -> None:
+    """Without native bfloat16 the draft stays float32 and its layers are the grid's Q4_1 weights on the AVX2 GGUF
+    kernel, for every row count: its logits within the int8 activations' reach of the same model computed in
+    float32 on the weights the Q4_1 codes stand for, and the same bits for a row alone as beside 11 others."""
+    reference = tiny_model("llama")
+    for layer in [m for m in reference.modules() if isinstance(m, torch.nn.Linear)]:
+        with torch.no_grad():
+            layer.weight.copy_(kquant.dequantize(kquant.from_grid(*grid(layer.weight))))
+    model = int4_quantized(tiny_model("llama"))
+    layers = [m for m in model.modules() if isinstance(m, (kquant.KQuantLinear, torch.nn.Linear))]
+    assert layers and all(isinstance(m, kquant.KQuantLinear) and m.kind == kquant.Q4_1 for m in layers)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])
+    with torch.no_grad():
+        got, expected = model(ids).logits[0], reference(ids).logits[0]  # [12, vocab]
+        alone = model(ids[:, :1]).logits[0]
+    assert ((got - expected).norm(dim=-1) / expected.norm(dim=-1)).max() < 0.05
+    assert torch.equal(alone[0], got[0])
 
 
 def test_auto_picks_the_kernel_the_machine_computes_fast() -> None:
-    """auto: int4 on a CPU with native bfloat16 (its activations), int8 on other CPUs, nothing on a GPU; the
-    weights load in the dtype the chosen kernels take."""
-    assert resolve_quantize("auto", "cpu") == ("int4" if native_bf16("cpu") else "int8")
+    """auto: int4 on a CPU with native bfloat16 (bfloat16 activations) or the AVX2 GGUF kernel (float32), int8 on
+    other CPUs, nothing on a GPU; the weights load in the dtype the chosen kernels take."""
+    assert resolve_quantize("auto", "cpu") == ("int4" if native_bf16("cpu") or float32_kernel() else "int8")
     assert resolve_quantize("auto", "cuda") == "none"
     assert resolve_quantize("int8", "cpu") == "int8"
-    assert load_dtype("float32", "int4") == "bfloat16"
+    assert load_dtype("float32", "int4") == ("bfloat16" if native_bf16("cpu") or not float32_kernel() else "float32")
     assert load_dtype("bfloat16", "int8") == "float32"
     assert load_dtype("float32", "none") == "float32"
     with pytest.raises(ValueError, match="quantize: expected"):

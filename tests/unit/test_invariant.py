@@ -33,7 +33,7 @@ def test_invariant_attention_is_attention() -> None:
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.skipif(cpu_attention.library() is None, reason="no AVX-512 CPU or no C compiler here")
+@pytest.mark.skipif(cpu_attention.library() is None, reason="no AVX2 CPU or no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_attention_is_the_torch_formulation_and_each_row_stands_alone(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch

@@ -52,7 +52,7 @@ def test_setup_builds_every_kernel_and_a_missing_one_is_no_error(
     assert built.returncode == 0, built.stderr[-2000:]
     folder = lib / "speculative" / "engine" / "cpu" / "kernels"
     assert {path.name for path in folder.glob("*.so")} == {f"{compiled.module(n)}{SUFFIX}" for n in compiled.BUILDS}
-    for source in compiled.KERNELS.glob("*.c"):
+    for source in [*compiled.KERNELS.glob("*.c"), *compiled.KERNELS.glob("*.h")]:
         shutil.copy(source, folder)  # as a wheel holds them: the package data beside the builds
     monkeypatch.setattr(compiled, "KERNELS", folder)
     monkeypatch.setattr(compiled, "cpu_supports", lambda needed=compiled.AVX512_CPU: True)  # loading runs none

@@ -25,6 +25,7 @@ from speculative.decoder import SpeculativeDecoder
 from speculative.drafters.config import drafter_config
 from speculative.engine import gguf_weights
 from speculative.engine.cpu import kquant
+from speculative.engine.cpu.int4_linear import grid
 from speculative.engine.invariant import make_deterministic
 from speculative.engine.runner import ModelRunner
 from speculative.planning.depth import DepthConfig
@@ -36,6 +37,7 @@ from tests.unit.test_greedy_exact import PROMPTS
 pytestmark = pytest.mark.skipif(kquant.library() is None, reason="no AVX2 CPU or no C compiler here")
 
 Q4_K, Q6_K, Q8_0 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0
+Q4_1 = GGMLQuantizationType.Q4_1
 # each Linear of the model in one of the three formats (the LM head as GGUF's `output`)
 FORMATS = {
     "attn_q": Q4_K,
@@ -53,7 +55,7 @@ def _blocks(
     kind: GGMLQuantizationType, out: int, inputs: int, generator: np.random.Generator, scale: float = 1.0
 ) -> np.ndarray:
     """A valid tensor of `kind` [out, bytes]: random codes and scales of a trained layer's size (times `scale`)."""
-    if kind == Q8_0:
+    if kind in (Q8_0, Q4_1):
         return quants.quantize(generator.standard_normal((out, inputs)).astype(np.float32) * 0.05 * scale, kind)
     size, block = {Q4_K: (144, 256), Q6_K: (210, 256)}[kind]
     raw = generator.integers(0, 256, (out, inputs // block, size), dtype=np.uint8)
@@ -105,11 +107,36 @@ def _tiny(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     return tmp_path, model
 
 
-@pytest.mark.parametrize("kind", [Q4_K, Q6_K, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K, Q8_0, Q4_1])
 def test_decoded_codes_stand_for_the_files_weights(kind: GGMLQuantizationType) -> None:
     raw = _blocks(kind, 40, 512, np.random.default_rng(int(kind)))
     codes = kquant.decode(int(kind), raw, 512)
     assert torch.equal(kquant.dequantize(codes), torch.from_numpy(quants.dequantize(raw, kind)))
+
+
+@pytest.mark.skipif(kquant.library((int(Q4_1),)) is None, reason="no kernel here takes Q4_1 (the AVX2 kernel does)")
+@pytest.mark.parametrize("source", ["gguf", "grid"])
+def test_q4_1_weights_compute_as_their_dequantized_weights_with_the_same_bits_at_any_row_count(source: str) -> None:
+    """A draft's 4-bit weight groups (`int4_linear`'s grid, as Q4_1 through `from_grid`) and a GGUF file's Q4_1
+    tensor: within the tolerance of x @ W^T over their dequantized weights, each row the same bits at 1, 5 and 16
+    rows and on 2 threads; outputs that are no whole tile too."""
+    out, inputs = 40, 512
+    generator = np.random.default_rng(5)
+    if source == "gguf":
+        codes = kquant.decode(int(Q4_1), _blocks(Q4_1, out, inputs, generator), inputs)
+    else:
+        weight = torch.from_numpy(generator.standard_normal((out, inputs)).astype(np.float32)) * 0.05
+        codes = kquant.from_grid(*grid(weight))
+        assert (kquant.dequantize(codes) - weight).abs().max() < 0.05 * 6 / 15  # within a grid step
+    packed = kquant.pack(codes)
+    x = torch.randn(16, inputs, generator=torch.Generator().manual_seed(6))  # [16, in]
+    full = kquant.matmul(int(Q4_1), packed, out, x)  # [16, out]
+    expected = x @ kquant.dequantize(codes).T  # [16, out]
+    error = (full - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert error.max() < TOLERANCE, f"rows off by up to {error.max():.4f}"
+    for rows in (1, 5):
+        assert torch.equal(kquant.matmul(int(Q4_1), packed, out, x[:rows]), full[:rows])
+    assert torch.equal(kquant.matmul(int(Q4_1), packed, out, x, threads=2), full)
 
 
 def test_a_model_loads_on_its_gguf_tensors_and_computes_as_its_dequantized_weights(tmp_path: Path) -> None:

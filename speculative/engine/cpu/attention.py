@@ -1,4 +1,5 @@
-"""Batch-invariant attention as one C call per layer (`kernels/attention.c`): each query row's sums fixed by the
+"""Batch-invariant attention as one C call per layer (`kernels/attention.c` on CPUs with AVX-512, else its AVX2 twin
+`kernels/attention_avx2.c`): each query row's sums fixed by the
 row alone, in float32, so `invariant.invariant_attention` computes the same attention (to rounding: its own
 exp and sum order) with the same invariance, at a fraction of the torch formulation's per-op cost (a decode
 step's 28 layers: one call each instead of ~20 torch ops each). Built at install (`compiled`); where it
@@ -16,11 +17,15 @@ from speculative.engine.cpu import compiled
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel as the install built it; None where this machine cannot run it or it was not built."""
+    """The kernel as the install built it, AVX-512's where this CPU has it, else AVX2's; None where this machine
+    runs neither or it was not built."""
     pointer, long, count = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     arguments = [pointer, long, long, long, pointer, pointer, long, long, long, pointer, long, long]
     arguments += [count] * 7 + [pointer]
-    return compiled.library("attention", "invariant attention", {"attend": (arguments, count)})
+    for name in ("attention", "attention_avx2"):
+        if compiled.cpu_supports(compiled.BUILDS[name].cpu):
+            return compiled.library(name, "invariant attention", {"attend": (arguments, count)})
+    return None
 
 
 def attend(
@@ -35,7 +40,7 @@ def attend(
         return None
     b, heads, m, dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
-    if dim % 16 or dim > 256 or value.dtype != key.dtype:
+    if dim % 8 or dim > 256 or value.dtype != key.dtype:  # (the AVX-512 kernel refuses widths not of 16 below)
         return None
     q = (query.float() * scaling).contiguous()  # [b, heads, m, D]
     k, v = key, value  # [b, kv_heads, C, D] each, one set of strides for both, the head width contiguous

@@ -50,7 +50,11 @@ BUILDS = {  # kernels/<name>.c -> how it builds
     "int8_avx2": Build(isa=AVX2_FLAGS, cpu=AVX2_CPU),
     "kquant_vnni": Build(**GGUF),
     "kquant_avx2": Build(isa=(*AVX2_FLAGS, "-mf16c"), cpu=AVX2_CPU | {"f16c"}, **GGUF),
-    "attention": Build(flags=("-ffp-contract=off",)),  # batch invariance: no fused multiply-adds the order decides
+    # batch invariance: no fused multiply-adds the compiler's order decides
+    "attention": Build(flags=("-ffp-contract=off",), headers=("attention_common.h",)),
+    "attention_avx2": Build(
+        isa=AVX2_FLAGS, cpu=AVX2_CPU, flags=("-ffp-contract=off",), headers=("attention_common.h",)
+    ),
 }
 
 

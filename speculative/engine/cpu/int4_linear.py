@@ -11,6 +11,10 @@ catch-up, a wide tree) runs on the bfloat16 weights the layer keeps: decode at i
 bfloat16's speed (oneDNN's kernel on the weight reordered once, `cpu_linear.PackedLinear`, where it runs
 natively: an 80-token catch-up of Qwen 0.5B takes ~150 ms instead of ~200 ms with torch's Linear).
 
+On a CPU without native bfloat16 (AVX2 only) the draft stays float32 and its layers become Q4_1 weights of the
+same grid (`kquant.from_grid`, scale and minimum in float16) on the AVX2 GGUF kernel (`kquant`), which takes
+every row count: a catch-up too, int8 activations at maddubs' rate instead of bfloat16 emulated.
+
 Groups of 32 with a min/max affine grid hold a Q4_K GGUF tensor (the project's default models) almost
 exactly: Q4_K stores each 32-weight block as 16 levels of one scale above one minimum. For draft models
 only: a draft's tokens are proposals, so its weights change how many are accepted, never the output.
@@ -22,7 +26,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from speculative.engine.cpu import int4_vnni
+from speculative.engine.cpu import int4_vnni, kquant
 from speculative.engine.cpu.linears import replaced
 from speculative.engine.cpu.onednn_linear import PackedLinear, packable
 
@@ -49,7 +53,7 @@ class Int4Linear(torch.nn.Module):
         self.vnni = kernel != "aten" and torch.get_num_threads() == 1 and int4_vnni.library() is not None
         if kernel == "vnni" and not self.vnni:
             raise ValueError("int4 kernel 'vnni' asked for, but it cannot run here (CPU, compiler or threads)")
-        levels, scale, low = _grid(weight)
+        levels, scale, low = grid(weight)
         if self.vnni:
             packed, scales_zeros = int4_vnni.pack(levels, scale, low), torch.empty(0)
         else:  # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale; [G, out, 2]
@@ -87,7 +91,7 @@ class Int4Linear(torch.nn.Module):
         )
 
 
-def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [out, in] -> levels, scale, low
+def grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [out, in] -> levels, scale, low
     """Per group of GROUP inputs: w ~ q * scale + low with q in 0..15 ([out, in] int32), scale = (max - min) / 15
     and low = min ([out, in / GROUP] float32), so the group's min and max are on the grid."""
     out, inp = weight.shape
@@ -101,11 +105,27 @@ def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 M = TypeVar("M", bound=torch.nn.Module)
 
 
+def float32_kernel() -> bool:
+    """Whether a float32 model's int4 layers run here: the AVX2 GGUF kernel, which takes Q4_1, is built."""
+    return kquant.library((kquant.Q4_1,)) is not None
+
+
 def int4_quantized(model: M, kernel: Kernel | None = None) -> M:
-    """`model` (bfloat16, CPU) with every Linear whose inputs come in whole groups replaced by an `Int4Linear`
-    (`kernel` as it takes it); others (in_features not a multiple of GROUP, seen only in tiny test models) stay
-    bfloat16."""
+    """`model` (CPU) with every Linear whose inputs come in whole groups on 4-bit weight groups: a bfloat16 model's
+    as `Int4Linear`s (`kernel` as it takes it), a float32 model's as Q4_1 `kquant.KQuantLinear`s where
+    `float32_kernel`; others (in_features not a multiple of GROUP, seen only in tiny test models) stay as they are."""
     param = next(model.parameters())
+    if param.device.type == "cpu" and param.dtype == torch.float32:
+        if not float32_kernel():
+            raise ValueError(
+                "quantize: 'int4' on a float32 model needs the AVX2 GGUF kernel (an x86 CPU, a C compiler)"
+            )
+        return replaced(model, lambda linear: _q4_1(linear) if linear.in_features % GROUP == 0 else None)
     if param.device.type != "cpu" or param.dtype != torch.bfloat16:
-        raise ValueError("quantize: 'int4' needs a bfloat16 model on the CPU (its kernels take bfloat16 activations)")
+        raise ValueError("quantize: 'int4' needs a bfloat16 or float32 model on the CPU")
     return replaced(model, lambda linear: Int4Linear(linear, kernel) if linear.in_features % GROUP == 0 else None)
+
+
+def _q4_1(linear: torch.nn.Linear) -> kquant.KQuantLinear:
+    bias = None if linear.bias is None else linear.bias.detach()  # [out]
+    return kquant.KQuantLinear(kquant.from_grid(*grid(linear.weight.detach())), bias, torch.float32)

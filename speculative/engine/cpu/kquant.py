@@ -8,6 +8,9 @@ held to: int8 activations put its outputs within about 1 % of the row's scale of
 
 Each row is reduced alone in a fixed order, so a row's outputs are the same bits at 1 row or 64, on any
 number of threads: a target on these weights is batch invariant by construction.
+
+The AVX2 kernel also takes Q4_1 (32-input groups of 4-bit levels with a float16 scale and minimum): a draft
+model's weights on CPUs without native bfloat16, quantized at load (`from_grid`, `int4_linear`).
 """
 
 from __future__ import annotations
@@ -25,22 +28,35 @@ from speculative.engine.cpu import compiled
 
 TILE = 16  # outputs per tile, as in the C sources
 KERNELS = ("kquant_vnni", "kquant_avx2")  # builds of compiled.BUILDS, the first this CPU runs taken
-Q4_K, Q6_K, Q8_0 = 12, 14, 8  # GGML's type ids
-NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q8_0: "Q8_0"}
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210, Q8_0: 34}  # a GGUF block's bytes
-BLOCK_INPUTS = {Q4_K: 256, Q6_K: 256, Q8_0: 32}
+Q4_K, Q6_K, Q8_0, Q4_1 = 12, 14, 8, 3  # GGML's type ids
+NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q8_0: "Q8_0", Q4_1: "Q4_1"}
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210, Q8_0: 34, Q4_1: 20}  # a GGUF block's bytes
+BLOCK_INPUTS = {Q4_K: 256, Q6_K: 256, Q8_0: 32, Q4_1: 32}
+TARGET_KINDS = (Q4_K, Q6_K, Q8_0)  # what a GGUF target file's Linear layers are (Q4_1: the AVX2 kernel alone)
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The kernel as the install built it, AVX-512 VNNI's where this CPU has it, else AVX2's; None where this
-    machine can run neither or it was not built."""
+def libraries() -> tuple[ctypes.CDLL, ...]:
+    """The kernels as the install built them that this CPU runs, in KERNELS' order (fastest first)."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
     many = ([count, pointer, pointer, pointer, count, pointer, count, pointer, count, count], ctypes.c_int)
-    functions = {"kquant_mm_many": many, "kquant_place": ([pointer, count], ctypes.c_int)}
-    for name in KERNELS:
-        if compiled.cpu_supports(compiled.BUILDS[name].cpu):
-            return compiled.library(name, "GGUF target weights", functions)
+    functions: dict[str, compiled.Signature] = {
+        "kquant_mm_many": many,
+        "kquant_place": ([pointer, count], ctypes.c_int),
+        "kquant_tile_bytes": ([count, count], ctypes.c_long),
+    }
+    found = [
+        compiled.library(n, "GGUF weights", functions) for n in KERNELS if compiled.cpu_supports(compiled.BUILDS[n].cpu)
+    ]
+    return tuple(lib for lib in found if lib is not None)
+
+
+def library(kinds: tuple[int, ...] = TARGET_KINDS) -> ctypes.CDLL | None:
+    """The first kernel this machine runs that takes every format of `kinds` (AVX-512 VNNI's where this CPU has
+    it, else AVX2's); None where none does (another CPU, or no build)."""
+    for lib in libraries():
+        if all(lib.kquant_tile_bytes(kind, 256) > 0 for kind in kinds):
+            return lib
     return None
 
 
@@ -64,8 +80,8 @@ def borrowing(cores: tuple[int, ...]) -> Iterator[bool]:
 
 
 def takes(kind: int, inputs: int) -> bool:
-    """Whether the kernel takes weights of GGML type `kind` with `inputs` inputs per output."""
-    return kind in BLOCK_INPUTS and inputs % BLOCK_INPUTS[kind] == 0
+    """Whether a kernel here takes weights of GGML type `kind` with `inputs` inputs per output."""
+    return kind in BLOCK_INPUTS and inputs % BLOCK_INPUTS[kind] == 0 and library((kind,)) is not None
 
 
 @dataclass(frozen=True)
@@ -73,9 +89,9 @@ class Codes:
     """A tensor's GGUF blocks decoded: its unsigned codes and the scales that make them weights."""
 
     kind: int  # GGML type id
-    codes: torch.Tensor  # [out, in] uint8: Q4_K 0..15, Q6_K 0..63, Q8_0 q + 128
-    d: torch.Tensor  # [out, in / 256] (Q8_0: [out, in / 32]) float16
-    dmin: torch.Tensor | None  # Q4_K: [out, in / 256] float16
+    codes: torch.Tensor  # [out, in] uint8: Q4_K and Q4_1 0..15, Q6_K 0..63, Q8_0 q + 128
+    d: torch.Tensor  # [out, in / 256] (Q8_0, Q4_1: [out, in / 32]) float16
+    dmin: torch.Tensor | None  # Q4_K: [out, in / 256] float16; Q4_1: [out, in / 32] float16, the minimum m
     scales: torch.Tensor | None  # Q4_K: [out, in / 32] uint8; Q6_K: [out, in / 16] int8
     mins: torch.Tensor | None  # Q4_K: [out, in / 32] uint8
 
@@ -90,6 +106,10 @@ def decode(kind: int, raw: np.ndarray, inputs: int) -> Codes:
     def half(at: int) -> torch.Tensor:  # [out, blocks] float16 at byte `at` of each block
         return blocks[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1)
 
+    if kind == Q4_1:  # 16 bytes: inputs 0..15 in the low nibbles, 16..31 in the high
+        qs = blocks[..., 4:20]  # [out, blocks, 16]
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [out, blocks, 32]
+        return Codes(kind, codes.reshape(out, inputs), half(0), half(2), None, None)
     if kind == Q8_0:
         q = blocks[..., 2:34].contiguous().view(torch.int8).to(torch.int16) + 128  # [out, blocks, 32]
         return Codes(kind, q.to(torch.uint8).reshape(out, inputs), half(0), None, None, None)
@@ -123,6 +143,9 @@ def dequantize(c: Codes) -> torch.Tensor:
     u = c.codes.to(torch.float32)
     if c.kind == Q8_0:
         return (c.d.float().repeat_interleave(32, dim=1) * (u - 128)).reshape(out, inputs)
+    if c.kind == Q4_1:
+        assert c.dmin is not None
+        return c.d.float().repeat_interleave(32, dim=1) * u + c.dmin.float().repeat_interleave(32, dim=1)
     if c.kind == Q4_K:
         assert c.dmin is not None and c.scales is not None and c.mins is not None
         scale = (c.d.float().repeat_interleave(8, dim=1) * c.scales.float()).repeat_interleave(32, dim=1)
@@ -151,6 +174,12 @@ def pack(c: Codes) -> torch.Tensor:
         blocks = codes.reshape(tiles, TILE, -1, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, -1, 512)  # [T, G, 512]
         return torch.cat([per_tile(c.d, 1), blocks], dim=-1).reshape(tiles, -1).contiguous()
     low = codes & 15
+    if c.kind == Q4_1:  # per 32 inputs: d[16], m[16], then the 4 chunks of nibbles of a Q4_K group
+        assert c.dmin is not None
+        split = low.reshape(tiles, TILE, -1, 4, 2, 4)  # [tile, lane, group, chunk, low/high nibble, byte]
+        nibbles = (split[..., 0, :] | (split[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [T, G, chunk, lane, b]
+        parts = [per_tile(c.d, 1), per_tile(c.dmin, 1), nibbles.reshape(tiles, -1, 256)]  # [T, G, 32/32/256]
+        return torch.cat(parts, dim=-1).reshape(tiles, -1).contiguous()
     split = low.reshape(tiles, TILE, -1, 8, 4, 2, 4)  # [tile, lane, 256s, group, chunk, low/high nibble, byte]
     nibbles = (split[..., 0, :] | (split[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5)  # [T, S, group, chunk, lane, b]
     nibbles = nibbles.reshape(tiles, -1, 8, 256)  # [T, S, group, 256]
@@ -167,10 +196,19 @@ def pack(c: Codes) -> torch.Tensor:
     return torch.cat([d, per_tile(c.scales, 16), groups], dim=-1).reshape(tiles, -1).contiguous()
 
 
-def _checked(rows: torch.Tensor) -> ctypes.CDLL:
-    lib = library()
+def from_grid(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Codes:
+    """4-bit weight groups (levels [out, in] 0..15; scale and low [out, in / 32]: w = levels * scale + low, as
+    `int4_linear` quantizes a draft) as Q4_1 codes, their scale and minimum in float16 as GGML stores them."""
+    return Codes(Q4_1, levels.to(torch.uint8), scale.to(torch.float16), low.to(torch.float16), None, None)
+
+
+def _checked(rows: torch.Tensor, kinds: tuple[int, ...]) -> ctypes.CDLL:
+    lib = library(kinds)
     if lib is None:
-        raise RuntimeError("the GGUF weights' kernel cannot run on this machine (AVX2 or AVX-512 VNNI, a C compiler)")
+        names = ", ".join(NAMES[k] for k in kinds)
+        raise RuntimeError(
+            f"no GGUF weights' kernel for {names} runs on this machine (AVX2 or AVX-512 VNNI, a C compiler)"
+        )
     if rows.dtype not in (torch.float32, torch.bfloat16) or rows.device.type != "cpu":
         raise ValueError(
             f"the GGUF kernel takes float32 or bfloat16 rows on the CPU, not {rows.dtype} on {rows.device}"
@@ -187,13 +225,14 @@ class Weights:
             raise ValueError(f"one kernel call takes 1 to 8 weights, not {len(kinds)}")
         self.packed = packed  # held: the pointers below point into them
         self.outs = outs
+        self.kinds = tuple(kinds)
         self._kinds = (ctypes.c_int * len(kinds))(*kinds)
         self._pointers = (ctypes.c_void_p * len(kinds))(*(p.data_ptr() for p in packed))
         self._outs = (ctypes.c_int * len(kinds))(*outs)
 
     def __call__(self, rows: torch.Tensor, threads: int = 1) -> list[torch.Tensor]:
         """rows [M, in] float32 or bfloat16 -> per weight [M, out] in their dtype."""
-        lib = _checked(rows)
+        lib = _checked(rows, self.kinds)
         rows = rows.contiguous()
         ys = [torch.empty(rows.shape[0], o, dtype=rows.dtype) for o in self.outs]  # [M, out] each
         if not rows.shape[0]:  # a forward whose rows all prefill asks the LM head for none

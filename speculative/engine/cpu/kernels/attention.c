@@ -10,10 +10,10 @@
 // Shapes (element strides given for the batch, head and column dimensions; the head width D contiguous):
 //   q [b, heads, m, D], k and v [b, kv_heads, C, D] (float32, or bfloat16 where `bf16`), mask [b, g * m, C]
 //   float32 (head kv * g + r, query i -> mask row r * m + i), out [b, m, heads, D] float32.
+#define VECTOR 16
+#include "attention_common.h"
+
 #include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
 
 static inline __m512 load16(const void* p, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float*)p);
@@ -71,26 +71,4 @@ static void row(const float* q, const uint8_t* k, const uint8_t* v, long col_byt
     }
     __m512 inv = _mm512_set1_ps(1.0f / total);
     for (int j = 0; j < vectors; j++) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(o[j], inv));
-}
-
-// Returns 0, or -1 (nothing written) for a head width it does not take or no memory.
-int attend(const float* q, long q_b, long q_h, long q_m, const void* k, const void* v, long kv_b, long kv_h,
-           long kv_c, const float* mask, long mask_b, long mask_r, int b, int heads, int kv_heads, int m, int C, int D,
-           int bf16, float* out) {
-    if (D % 16 || D > 256 || heads % kv_heads) return -1;
-    float* scores = (float*)malloc(sizeof(float) * ((size_t)C + 32));
-    if (!scores) return -1;
-    int g = heads / kv_heads, width = bf16 ? 2 : 4;
-    for (int s = 0; s < b; s++)
-        for (int h = 0; h < heads; h++) {
-            const uint8_t* ks = (const uint8_t*)k + (size_t)width * (s * kv_b + (h / g) * kv_h);
-            const uint8_t* vs = (const uint8_t*)v + (size_t)width * (s * kv_b + (h / g) * kv_h);
-            for (int i = 0; i < m; i++) {
-                const float* mrow = mask + s * mask_b + ((long)(h % g) * m + i) * mask_r;
-                float* o = out + (((size_t)s * m + i) * heads + h) * D;
-                row(q + s * q_b + h * q_h + i * q_m, ks, vs, (long)width * kv_c, mrow, C, D, bf16, scores, o);
-            }
-        }
-    free(scores);
-    return 0;
 }

@@ -12,6 +12,7 @@
 //   Q4_K  sum w x = xs * (d * sc * sum u xq - dmin * m * sum xq)
 //   Q6_K  sum w x = xs * d * sc * (sum u xq - 32 sum xq)
 //   Q8_0  sum w x = xs * d * sum q xq
+//   Q4_1  sum w x = xs * (d * sum u xq + m * sum xq)  (this kernel only: a draft's 4-bit groups)
 // The integer sums are exact, and the float32 steps after them are kquant_vnni.c's in its order (fused
 // multiply-adds as written, no others), so a row's outputs are the VNNI kernel's bits.
 //
@@ -19,6 +20,7 @@
 // for 1 row or 64, on one thread or several (threads split the outputs, never a sum).
 //
 // Layout: kquant_vnni.c's header (speculative/engine/cpu/kquant.py packs it).
+#define KQUANT_Q4_1  // this kernel also takes Q4_1 (a draft's 4-bit weight groups, kquant.py's `from_grid`)
 #include "kquant_common.h"  // first: it defines _GNU_SOURCE
 
 #include <immintrin.h>
@@ -59,10 +61,42 @@ static inline void prefetch(const uint8_t* w, int bytes) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char*)(w + PREFETCH + line), _MM_HINT_T0);
 }
 
+static inline F16 negated(F16 a) {  // exact: the sign bit flipped
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    F16 f = {{_mm256_xor_ps(a.v[0], sign), _mm256_xor_ps(a.v[1], sign)}};
+    return f;
+}
+
+// A group g of 32 inputs as 4-bit codes u (4 chunks of 64 bytes from q: Q4_K's group, Q4_1's block) for rows
+// r0 .. r0 + MR - 1: acc[r] += xs * (scale * sum u xq) + xs * (low * sum xq)  (Q4_K: low = -dmin * m; Q4_1: m)
+static inline __attribute__((always_inline)) void four_bit_group(const uint8_t* q, F16 scale, F16 low, const Rows* x,
+                                                                 int g, int r0, F16* acc, const int MR) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; h++) {  // outputs 8h .. 8h + 7
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            __m256i v = load(q + 64 * c + 32 * h);
+            lo[c] = _mm256_and_si256(v, nibble);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+        for (int r = 0; r < MR; r++) {
+            __m256i s16 = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], four(x, r0 + r, 32 * g + 8 * c)));
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], four(x, r0 + r, 32 * g + 8 * c + 4)));
+            }
+            float xs = x->xs[(size_t)(r0 + r) * x->G + g];
+            const int32_t* sums = x->sums + (size_t)(r0 + r) * 2 * x->G + 2 * g;
+            __m256 dot = _mm256_cvtepi32_ps(widen(s16));
+            __m256 a = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale.v[h], _mm256_set1_ps(xs)), acc[r].v[h]);
+            acc[r].v[h] = _mm256_fmadd_ps(low.v[h], _mm256_set1_ps(xs * (float)(sums[0] + sums[1])), a);
+        }
+    }
+}
+
 // One tile's 16 outputs for rows r0 .. r0 + MR - 1 (MR a constant at each call site): acc[r] += their sums
 static inline __attribute__((always_inline)) void q4_k(const uint8_t* w, const Rows* x, int r0, F16* acc,
                                                        const int MR) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int s = 0; s < x->I / 256; s++, w += Q4_K_BYTES) {
         F16 d = f16x16(w), dmin = f16x16(w + 32);
         for (int j = 0; j < 8; j++) {
@@ -70,27 +104,19 @@ static inline __attribute__((always_inline)) void q4_k(const uint8_t* w, const R
             prefetch(w + j * (Q4_K_BYTES / 8), Q4_K_BYTES / 8);
             const uint8_t* q = w + 320 + 256 * j;
             F16 scale = mul(d, u8x16(w + 64 + 16 * j)), low = mul(dmin, u8x16(w + 192 + 16 * j));
-            for (int h = 0; h < 2; h++) {  // outputs 8h .. 8h + 7
-                __m256i lo[4], hi[4];
-                for (int c = 0; c < 4; c++) {
-                    __m256i v = load(q + 64 * c + 32 * h);
-                    lo[c] = _mm256_and_si256(v, nibble);
-                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-                }
-                for (int r = 0; r < MR; r++) {
-                    __m256i s16 = _mm256_setzero_si256();
-                    for (int c = 0; c < 4; c++) {
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], four(x, r0 + r, 32 * g + 8 * c)));
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], four(x, r0 + r, 32 * g + 8 * c + 4)));
-                    }
-                    float xs = x->xs[(size_t)(r0 + r) * x->G + g];
-                    const int32_t* sums = x->sums + (size_t)(r0 + r) * 2 * x->G + 2 * g;
-                    __m256 dot = _mm256_cvtepi32_ps(widen(s16));
-                    __m256 a = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale.v[h], _mm256_set1_ps(xs)), acc[r].v[h]);
-                    acc[r].v[h] = _mm256_fnmadd_ps(low.v[h], _mm256_set1_ps(xs * (float)(sums[0] + sums[1])), a);
-                }
-            }
+            four_bit_group(q, scale, negated(low), x, g, r0, acc, MR);
         }
+    }
+}
+
+// Q4_1 (GGML's layout per 32 inputs: d and m fp16, 16 bytes of nibbles; here per tile d[16], m[16], then the 4
+// chunks of Q4_K's group): w = d * u + m, so sum w x = xs * (d * sum u xq + m * sum xq)
+static inline __attribute__((always_inline)) void q4_1(const uint8_t* w, const Rows* x, int r0, F16* acc,
+                                                       const int MR) {
+    for (int g = 0; g < x->G; g++, w += Q4_1_BYTES) {
+        prefetch(w, Q4_1_BYTES);
+        F16 d = f16x16(w), m = f16x16(w + 32);
+        four_bit_group(w + 64, d, m, x, g, r0, acc, MR);
     }
 }
 
@@ -175,6 +201,8 @@ static inline __attribute__((always_inline)) void tile_rows(int type, const uint
         q4_k(w, x, r0, acc, MR);
     else if (type == Q6_K)
         q6_k(w, x, r0, acc, MR);
+    else if (type == Q4_1)
+        q4_1(w, x, r0, acc, MR);
     else
         q8_0(w, x, r0, acc, MR);
 }

@@ -15,9 +15,11 @@
 #define Q4_K 12  // GGML's type ids
 #define Q6_K 14
 #define Q8_0 8
+#define Q4_1 3
 #define Q4_K_BYTES 2368  // per tile and 256 inputs
 #define Q6_K_BYTES 3360
 #define Q8_0_BYTES 544  // per tile and 32 inputs
+#define Q4_1_BYTES 320
 #define PREFETCH 1024  // bytes ahead of the block in use, fetched into L1
 
 typedef struct {
@@ -36,10 +38,14 @@ static __thread int8_t* scratch;
 static __thread size_t scratch_bytes;
 
 // Bytes of one tile's weights of `I` inputs in format `type`; 0 for a format or width this kernel does not take
+// (Q4_1 where the kernel defines KQUANT_Q4_1)
 long kquant_tile_bytes(int type, int I) {
     if (type == Q4_K && I % 256 == 0) return (long)(I / 256) * Q4_K_BYTES;
     if (type == Q6_K && I % 256 == 0) return (long)(I / 256) * Q6_K_BYTES;
     if (type == Q8_0 && I % 32 == 0) return (long)(I / 32) * Q8_0_BYTES;
+#ifdef KQUANT_Q4_1
+    if (type == Q4_1 && I % 32 == 0) return (long)(I / 32) * Q4_1_BYTES;
+#endif
     return 0;
 }
 

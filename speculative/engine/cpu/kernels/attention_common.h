@@ -1,0 +1,35 @@
+// What the invariant attention kernels (attention.c, attention_avx2.c) share: the loop over sequences, heads and
+// query rows, each row computed alone by the kernel's `row` (declared here, defined by the kernel that includes
+// this after it; VECTOR: its float32 lanes, a divisor of the head widths it takes).
+#ifndef ATTENTION_COMMON_H
+#define ATTENTION_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+// One query row against C columns; `scores` scratch of C + 16 floats.
+static void row(const float* q, const uint8_t* k, const uint8_t* v, long col_bytes, const float* mask, int C, int D,
+                int bf16, float* scores, float* out);
+
+// Returns 0, or -1 (nothing written) for a head width it does not take or no memory.
+int attend(const float* q, long q_b, long q_h, long q_m, const void* k, const void* v, long kv_b, long kv_h,
+           long kv_c, const float* mask, long mask_b, long mask_r, int b, int heads, int kv_heads, int m, int C, int D,
+           int bf16, float* out) {
+    if (D % VECTOR || D > 256 || heads % kv_heads) return -1;
+    float* scores = (float*)malloc(sizeof(float) * ((size_t)C + 32));
+    if (!scores) return -1;
+    int g = heads / kv_heads, width = bf16 ? 2 : 4;
+    for (int s = 0; s < b; s++)
+        for (int h = 0; h < heads; h++) {
+            const uint8_t* ks = (const uint8_t*)k + (size_t)width * (s * kv_b + (h / g) * kv_h);
+            const uint8_t* vs = (const uint8_t*)v + (size_t)width * (s * kv_b + (h / g) * kv_h);
+            for (int i = 0; i < m; i++) {
+                const float* mrow = mask + s * mask_b + ((long)(h % g) * m + i) * mask_r;
+                float* o = out + (((size_t)s * m + i) * heads + h) * D;
+                row(q + s * q_b + h * q_h + i * q_m, ks, vs, (long)width * kv_c, mrow, C, D, bf16, scores, o);
+            }
+        }
+    free(scores);
+    return 0;
+}
+#endif
