@@ -31,7 +31,8 @@ from deploy.config import DRAIN_MARGIN_S, AppConfig
 from deploy.front.frontdoor import FrontDoorConfig
 from deploy.ingress import Ingress
 from proto import specserve_pb2 as pb
-from speculative.engine.cpu.int4_linear import Int4Linear
+from speculative.engine.cpu.int4_linear import Int4Linear, float32_kernel
+from speculative.engine.cpu.kquant import KQuantLinear
 from speculative.engine.loading import native_bf16
 from tests.front_router import MODEL_NAME, save_tiny_pair, tiny_tokenizer
 from tests.tiny_models import reference_greedy
@@ -170,19 +171,22 @@ def test_int8_quantizes_the_draft_alone_and_on_cpu_only(folders: tuple[Path, Pat
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}  # int8 kernels take float32 around them
 
 
-def test_int4_and_auto_load_the_draft_in_bfloat16_on_cpu_only(folders: tuple[Path, Path, Any]) -> None:
-    """`draft_quantize: int4` loads the draft in bfloat16 with 4-bit Linear layers; `auto` (deploy/local.yaml's)
-    is int4 where this CPU computes bfloat16 natively, else int8; a GPU config refuses int4."""
+def test_int4_and_auto_load_the_draft_in_4bit_groups_on_cpu_only(folders: tuple[Path, Path, Any]) -> None:
+    """`draft_quantize: int4` loads the draft with 4-bit Linear layers: in bfloat16 where this CPU computes it
+    natively (or the AVX2 GGUF kernel is not built), else in float32 on that kernel's Q4_1; `auto`
+    (deploy/local.yaml's) is int4 where either runs, else int8; a GPU config refuses int4."""
     config = {"target_model": "t", "draft_model": "d", "draft_quantize": "int4"}
     with pytest.raises(ValidationError, match="draft_quantize: 'int4' runs on CPU only"):
         AppConfig.model_validate({**config, "device": "cuda"})
     AppConfig.model_validate({**config, "draft_quantize": "auto", "device": "cuda"})  # auto: none on a GPU
     loaded = load_lm(ModelConfig(path=str(folders[1]), dtype="float32", quantize="int4"))
-    assert any(isinstance(m, Int4Linear) for m in loaded.modules())
+    bf16 = native_bf16("cpu") or not float32_kernel()
+    four_bit = Int4Linear if bf16 else KQuantLinear
+    assert any(isinstance(m, four_bit) for m in loaded.modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
-    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16 if bf16 else torch.float32}
     auto = load_lm(ModelConfig(path=str(folders[1]), quantize="auto"))
-    assert any(isinstance(m, Int4Linear) for m in auto.modules()) == native_bf16("cpu")
+    assert any(isinstance(m, four_bit) for m in auto.modules()) == (native_bf16("cpu") or float32_kernel())
 
 
 def test_local_yaml_fits_the_two_core_machine_it_is_written_for() -> None:
