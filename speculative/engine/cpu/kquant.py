@@ -51,9 +51,10 @@ def libraries() -> tuple[ctypes.CDLL, ...]:
     return tuple(lib for lib in found if lib is not None)
 
 
+@functools.cache
 def library(kinds: tuple[int, ...] = TARGET_KINDS) -> ctypes.CDLL | None:
     """The first kernel this machine runs that takes every format of `kinds` (AVX-512 VNNI's where this CPU has
-    it, else AVX2's); None where none does (another CPU, or no build)."""
+    it, else AVX2's); None where none does (another CPU, or no build). Cached: every kernel call asks it."""
     for lib in libraries():
         if all(lib.kquant_tile_bytes(kind, 256) > 0 for kind in kinds):
             return lib
