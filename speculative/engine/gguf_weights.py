@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from speculative.engine.cpu import kquant
+from speculative.engine.cpu import huge_pages, kquant
 
 # GGUF tensor name (blk.{i}. prefix for a layer's) -> the Hugging Face module it holds the weight of
 LAYER_TENSORS = {
@@ -116,6 +116,7 @@ def use_stored(model: PreTrainedModel, path: Path) -> StoredWeights:
         parent, _, child = target.rpartition(".")
         setattr(modules[parent] if parent else model, child, kquant.KQuantLinear(codes, bias, layer.weight.dtype))
         moved[tensor.tensor_type.name] += 1
+    huge_pages.onto_huge_pages(model)  # the tiles every step streams, on 2 MiB pages where the OS has them
     return StoredWeights(moved, dense)
 
 

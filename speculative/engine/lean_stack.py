@@ -5,8 +5,12 @@ shows: `transformers`' stack spends a few milliseconds per forward in module cal
 norms written as eight ops. This stack runs the same weights through the same operations in the same
 order (the model's own Linear layers, rotary embedding and activation; `packing.packed_attention` over the
 runner's `SlotCache`), with a fused RMS norm, so its hidden states equal the model's bit for bit; it only
-calls less. Architectures or configurations it does not know (sliding windows, other norms) return None
-from `lean_stack`, and the runner keeps the model's own stack.
+calls less. Where a layer's projections hold GGUF weights (`kquant.KQuantLinear`: a target at its stored
+precision, a draft on Q4_1 groups) their kernel also applies the norm before them as it reads its input (one
+call instead of a norm's ops and a call): the kernel's own rounding, not the model's bits, and like the kernel
+each row's alone, so the stack stays batch invariant. Rotary embeddings of float32 rows on a CPU are one C call
+a tensor (`cpu.attention.rotate`, torch's bits). Architectures or configurations it does not know (sliding
+windows, other norms) return None from `lean_stack`, and the runner keeps the model's own stack.
 
 Per layer, for T packed tokens of hidden size H:
 
@@ -23,7 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from speculative.engine.cpu.kquant import KQuantLinear
+from speculative.engine.cpu import attention as cpu_attention
+from speculative.engine.cpu.kquant import KQuantLinear, Norm
 from speculative.engine.kv_cache import SlotCache
 from speculative.engine.packing import packed_attention
 
@@ -35,29 +40,41 @@ def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:  # [T, H] -> [T, H]
     return F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype) * norm.weight
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [1, heads, T, D]
-    """Rotary embedding as `apply_rotary_pos_emb` computes it (halves rotated, not interleaved pairs)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotated(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:  # [T, heads * D]
+    """Rotary embedding as `apply_rotary_pos_emb` computes it (halves rotated, not interleaved pairs) of a
+    projection's output y (a fresh tensor: rotated in place by one C call where float32 on the CPU, the same
+    bits); cos and sin [T, D]."""
+    if cpu_attention.rotate(y, cos, sin, dim):
+        return y
+    x = y.view(y.shape[0], -1, dim)  # [T, heads, D]
+    half = dim // 2
+    c, s = cos[:, None], sin[:, None]  # [T, 1, D]: broadcast over heads
+    return (x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s).view(y.shape)
 
 
 Projections = Callable[[torch.Tensor], list[torch.Tensor]]  # [T, in] -> each Linear's [T, out]
 
 
-def projections(*linears: Any) -> Projections:
-    """The Linear layers' outputs of one input: one kernel call where all hold GGUF weights (the input quantized
-    once, the same bits as a call each: `KQuantLinear.joint`), else a call each."""
+def projections(norm: Any, *linears: Any) -> Projections:
+    """The Linear layers' outputs of one input normalized by `norm`: one kernel call where all hold GGUF weights
+    (the kernel normalizes the input in float32 as it reads it and quantizes it once: `KQuantLinear.joint`), else
+    the norm, then a call each."""
     if all(isinstance(m, KQuantLinear) for m in linears):
-        return linears[0].joint(*linears[1:])
-    return lambda h: [m(h) for m in linears]
+        return linears[0].joint(*linears[1:], norm=Norm.of(norm))
+    return lambda x: _each(linears, _rms_norm(x, norm))
+
+
+def _each(linears: tuple[Any, ...], h: torch.Tensor) -> list[torch.Tensor]:
+    return [m(h) for m in linears]
 
 
 def layer_projections(base: Any) -> list[tuple[Projections, Projections]]:
-    """Per layer, its (q, k, v) and its (gate, up) projections."""
+    """Per layer, its (q, k, v) projections of the normalized input and its (gate, up) ones of the normalized
+    attention output."""
     return [
         (
-            projections(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-            projections(layer.mlp.gate_proj, layer.mlp.up_proj),
+            projections(layer.input_layernorm, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            projections(layer.post_attention_layernorm, layer.mlp.gate_proj, layer.mlp.up_proj),
         )
         for layer in base.layers
     ]
@@ -80,15 +97,15 @@ def run_layers(
     projected = projected if projected is not None else layer_projections(base)
     x = base.embed_tokens(tokens)  # [T, H]
     t = x.shape[0]
-    cos, sin = base.rotary_emb(x[None], positions[None])  # [1, T, D] each
-    cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: broadcast over heads
+    cos, sin = (c[0].contiguous() for c in base.rotary_emb(x[None], positions[None]))  # [T, D] each
     for i, layer in enumerate(base.layers):
         attn, mlp = layer.self_attn, layer.mlp
         d = attn.head_dim
         qkv, gate_up = projected[i]
-        q, k, v = (y.view(1, t, -1, d).transpose(1, 2) for y in qkv(_rms_norm(x, layer.input_layernorm)))
-        x = x + attn.o_proj(attend(i, _rotated(q, cos, sin), _rotated(k, cos, sin), v))  # q: [1, heads, T, D]
-        gate, up = gate_up(_rms_norm(x, layer.post_attention_layernorm))
+        q, k, v = qkv(x)  # [T, heads * D], [T, kv_heads * D] x 2
+        q, k, v = (y.view(1, t, -1, d).transpose(1, 2) for y in (_rotated(q, cos, sin, d), _rotated(k, cos, sin, d), v))
+        x = x + attn.o_proj(attend(i, q, k, v))  # q: [1, heads, T, D]
+        gate, up = gate_up(x)
         x = x + mlp.down_proj(mlp.act_fn(gate) * up)
     return _rms_norm(x, base.norm)
 

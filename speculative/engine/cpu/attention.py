@@ -1,9 +1,10 @@
-"""Batch-invariant attention as one C call per layer (`kernels/attention.c` on CPUs with AVX-512, else its AVX2 twin
-`kernels/attention_avx2.c`): each query row's sums fixed by the
-row alone, in float32, so `invariant.invariant_attention` computes the same attention (to rounding: its own
-exp and sum order) with the same invariance, at a fraction of the torch formulation's per-op cost (a decode
-step's 28 layers: one call each instead of ~20 torch ops each). Built at install (`compiled`); where it
-cannot run, `attend` returns None and the torch formulation runs."""
+"""Batch-invariant attention as one C call per layer (`kernels/attention.c` on CPUs with AVX-512, else its AVX2
+twin `kernels/attention_avx2.c`): each query row's sums fixed by the row alone, in float32, so
+`invariant.invariant_attention` computes the same attention (to rounding: its own exp and sum order) with the
+same invariance, at a fraction of the torch formulation's per-op cost (a decode step's 28 layers: one call each
+instead of ~20 torch ops each). The same builds rotate the queries and keys before it (`rotate`: one call a
+tensor instead of seven ops, torch's bits). Built at install (`compiled`); where it cannot run, `attend` returns
+None, `rotate` False, and the torch formulation runs."""
 
 from __future__ import annotations
 
@@ -24,8 +25,28 @@ def library() -> ctypes.CDLL | None:
     arguments += [count] * 7 + [pointer]
     for name in ("attention", "attention_avx2"):
         if compiled.cpu_supports(compiled.BUILDS[name].cpu):
-            return compiled.library(name, "invariant attention", {"attend": (arguments, count)})
+            rotate = ([pointer, count, count, count, pointer, pointer], None)
+            functions = {"attend": (arguments, count), "rotate_halves": rotate}
+            return compiled.library(name, "invariant attention", functions)
     return None
+
+
+def rotate(
+    x: torch.Tensor,  # [T, heads * D] float32, contiguous
+    cos: torch.Tensor,  # [T, D] float32, contiguous
+    sin: torch.Tensor,  # [T, D] float32, contiguous
+    dim: int,  # D
+) -> bool:
+    """Rotates x's heads in place as `apply_rotary_pos_emb` rotates halves (torch's bits: one C call instead of seven
+    ops a tensor); False, x untouched, where the kernel does not take these tensors."""
+    lib = library()
+    tensors = (x, cos, sin)
+    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    if dim % 2 or x.shape[-1] % dim or cos.shape != (x.shape[0], dim) or sin.shape != cos.shape:
+        return False
+    lib.rotate_halves(x.data_ptr(), x.shape[0], x.shape[-1] // dim, dim, cos.data_ptr(), sin.data_ptr())
+    return True
 
 
 def attend(

@@ -26,7 +26,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from speculative.engine.cpu import int4_vnni, kquant
+from speculative.engine.cpu import huge_pages, int4_vnni, kquant
 from speculative.engine.cpu.linears import replaced
 from speculative.engine.cpu.onednn_linear import PackedLinear, packable
 
@@ -120,7 +120,9 @@ def int4_quantized(model: M, kernel: Kernel | None = None) -> M:
             raise ValueError(
                 "quantize: 'int4' on a float32 model needs the AVX2 GGUF kernel (an x86 CPU, a C compiler)"
             )
-        return replaced(model, lambda linear: _q4_1(linear) if linear.in_features % GROUP == 0 else None)
+        quantized = replaced(model, lambda linear: _q4_1(linear) if linear.in_features % GROUP == 0 else None)
+        huge_pages.onto_huge_pages(quantized)  # the tiles every draft step streams, on 2 MiB pages
+        return quantized
     if param.device.type != "cpu" or param.dtype != torch.bfloat16:
         raise ValueError("quantize: 'int4' needs a bfloat16 or float32 model on the CPU")
     return replaced(model, lambda linear: Int4Linear(linear, kernel) if linear.in_features % GROUP == 0 else None)

@@ -39,7 +39,10 @@ TARGET_KINDS = (Q4_K, Q6_K, Q8_0)  # what a GGUF target file's Linear layers are
 def libraries() -> tuple[ctypes.CDLL, ...]:
     """The kernels as the install built them that this CPU runs, in KERNELS' order (fastest first)."""
     pointer, count = ctypes.c_void_p, ctypes.c_int
-    many = ([count, pointer, pointer, pointer, count, pointer, count, pointer, count, count], ctypes.c_int)
+    many = (
+        [count, pointer, pointer, pointer, count, pointer, count, pointer, count, count, pointer, ctypes.c_float],
+        ctypes.c_int,
+    )
     functions: dict[str, compiled.Signature] = {
         "kquant_mm_many": many,
         "kquant_place": ([pointer, count], ctypes.c_int),
@@ -231,8 +234,9 @@ class Weights:
         self._pointers = (ctypes.c_void_p * len(kinds))(*(p.data_ptr() for p in packed))
         self._outs = (ctypes.c_int * len(kinds))(*outs)
 
-    def __call__(self, rows: torch.Tensor, threads: int = 1) -> list[torch.Tensor]:
-        """rows [M, in] float32 or bfloat16 -> per weight [M, out] in their dtype."""
+    def __call__(self, rows: torch.Tensor, threads: int = 1, norm: Norm | None = None) -> list[torch.Tensor]:
+        """rows [M, in] float32 or bfloat16 -> per weight [M, out] in their dtype; with `norm`, of the rows
+        RMS-normalized by it (in float32, as the kernel reads them)."""
         lib = _checked(rows, self.kinds)
         rows = rows.contiguous()
         ys = [torch.empty(rows.shape[0], o, dtype=rows.dtype) for o in self.outs]  # [M, out] each
@@ -241,8 +245,9 @@ class Weights:
         into = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
         bf16 = int(rows.dtype == torch.bfloat16)
         n, m, width = len(ys), rows.shape[0], rows.shape[1]
+        scale, eps = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         if lib.kquant_mm_many(
-            n, self._kinds, self._pointers, self._outs, width, rows.data_ptr(), m, into, bf16, threads
+            n, self._kinds, self._pointers, self._outs, width, rows.data_ptr(), m, into, bf16, threads, scale, eps
         ):
             raise RuntimeError(f"the GGUF kernel refused {m} rows of {width} inputs")
         return ys
@@ -254,16 +259,34 @@ def matmul(kind: int, packed: torch.Tensor, out: int, rows: torch.Tensor, thread
 
 
 @dataclass(frozen=True)
+class Norm:
+    """An RMS norm (Llama's, Qwen2's) the kernel applies to its input rows: x / sqrt(mean(x^2) + eps) * weight, in
+    float32, summed in its own fixed order (kquant_common.h's `normalized_rows`)."""
+
+    weight: torch.Tensor  # [in] float32, contiguous
+    eps: float
+
+    @staticmethod
+    def of(norm: torch.nn.Module) -> Norm:
+        """A model's norm module (`LlamaRMSNorm`, `Qwen2RMSNorm`: `weight`, `variance_epsilon`), as the kernel
+        takes it."""
+        weight = norm.weight.detach().float().contiguous()  # type: ignore[operator]
+        return Norm(weight, float(norm.variance_epsilon))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class Joint:
-    """GGUF Linear layers of one input, computed by one kernel call (`KQuantLinear.joint`)."""
+    """GGUF Linear layers of one input, computed by one kernel call (`KQuantLinear.joint`); with `norm`, of the
+    input normalized by it, which the call applies as it reads the input."""
 
     weights: Weights
     biases: list[torch.Tensor | None]  # [out] each, or None
     in_features: int
+    norm: Norm | None = None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:  # [..., in] -> per layer [..., out]
         rows = x.reshape(-1, self.in_features)  # [M, in]
-        ys = self.weights(rows, _threads or torch.get_num_threads())
+        ys = self.weights(rows, _threads or torch.get_num_threads(), self.norm)
         return [
             (y if b is None else y + b).reshape(*x.shape[:-1], y.shape[-1])
             for y, b in zip(ys, self.biases, strict=True)
@@ -293,14 +316,16 @@ class KQuantLinear(torch.nn.Module):
     def _alone(self) -> Joint:
         return self.joint()
 
-    def joint(self, *others: KQuantLinear) -> Joint:
-        """This layer and `others` (of the same input width) as one kernel call: x -> each one's y. It holds the
-        packed weights as they are now (a buffer replaced later is not seen)."""
+    def joint(self, *others: KQuantLinear, norm: Norm | None = None) -> Joint:
+        """This layer and `others` (of the same input width) as one kernel call: x -> each one's y (with `norm`, of
+        x normalized by it). It holds the packed weights as they are now (a buffer replaced later is not seen)."""
         layers = (self, *others)
         if any(m.in_features != self.in_features for m in layers):
             raise ValueError(f"joint layers take one input width: {[m.in_features for m in layers]}")
+        if norm is not None and norm.weight.shape != (self.in_features,):
+            raise ValueError(f"a norm of {tuple(norm.weight.shape)} before layers of {self.in_features} inputs")
         weights = Weights([m.kind for m in layers], [m.packed for m in layers], [m.out_features for m in layers])
-        return Joint(weights, [m.bias for m in layers], self.in_features)
+        return Joint(weights, [m.bias for m in layers], self.in_features, norm)
 
     def extra_repr(self) -> str:
         return f"{NAMES[self.kind]}, in_features={self.in_features}, out_features={self.out_features}"

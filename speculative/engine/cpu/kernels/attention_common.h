@@ -1,6 +1,7 @@
 // What the invariant attention kernels (attention.c, attention_avx2.c) share: the loop over sequences, heads and
 // query rows, each row computed alone by the kernel's `row` (declared here, defined by the kernel that includes
-// this after it; VECTOR: its float32 lanes, a divisor of the head widths it takes).
+// this after it; VECTOR: its float32 lanes, a divisor of the head widths it takes), and the rotary embedding of
+// the queries and keys it attends with.
 #ifndef ATTENTION_COMMON_H
 #define ATTENTION_COMMON_H
 #include <math.h>
@@ -31,5 +32,23 @@ int attend(const float* q, long q_b, long q_h, long q_m, const void* k, const vo
         }
     free(scores);
     return 0;
+}
+
+// x [T, heads, D] float32 rotated in place by its tokens' cos and sin [T, D], as Llama's and Qwen2's
+// `apply_rotary_pos_emb` rotates halves: x * cos + concat(-x[D/2:], x[:D/2]) * sin. Each product is rounded, then
+// the two added (these builds contract no multiply-add), so the bits are torch's for the same float32 tensors.
+void rotate_halves(float* x, int T, int heads, int D, const float* cos, const float* sin) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) {
+            float* p = x + ((size_t)t * heads + h) * D;
+            const float* c = cos + (size_t)t * D;
+            const float* s = sin + (size_t)t * D;
+            for (int j = 0; j < half; j++) {
+                float a = p[j], b = p[j + half];
+                p[j] = a * c[j] + (-b) * s[j];
+                p[j + half] = b * c[j + half] + a * s[j + half];
+            }
+        }
 }
 #endif

@@ -4,6 +4,7 @@
 #ifndef KQUANT_COMMON_H
 #define KQUANT_COMMON_H
 #define _GNU_SOURCE
+#include <math.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
@@ -49,11 +50,38 @@ long kquant_tile_bytes(int type, int I) {
     return 0;
 }
 
+static inline float input(const void* x, size_t at, int bf16) {  // x[at] as float32
+    if (!bf16) return ((const float*)x)[at];
+    uint32_t bits = (uint32_t)((const uint16_t*)x)[at] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// x [M, I] (float32, or bfloat16 where `bf16`) -> out [M, I] float32, Llama's and Qwen2's RMS norm in float32: each
+// row times 1 / sqrt(mean of its squares + eps), times w [I]. The squares are summed in 8 running sums (input i
+// into sum i mod 8) added in a fixed order, so a row's result is its own whatever M (I a multiple of 8).
+static void normalized_rows(const void* x, int M, int I, int bf16, const float* w, float eps, float* out) {
+    for (int r = 0; r < M; r++) {
+        size_t at = (size_t)r * I;
+        float part[8] = {0};
+        for (int i = 0; i < I; i++) {
+            float v = input(x, at + i, bf16);
+            part[i % 8] += v * v;
+        }
+        float squares = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        float scale = 1.0f / sqrtf(squares / (float)I + eps);
+        for (int i = 0; i < I; i++) out[at + i] = input(x, at + i, bf16) * scale * w[i];
+    }
+}
+
 // ys[k] [M, Os[k]] = x [M, I] Ws[k]^T for k < n (x and y float32, or bfloat16 where `bf16`): x is quantized
 // once, and `threads` threads split the tiles of outputs of all n weights (q, k and v of a layer in one call).
+// With `norm` (w [I] float32, not NULL) the product is of x's rows RMS-normalized (`normalized_rows`, `eps`): the
+// norm before a layer's projections, applied as the kernel reads its input.
 // Returns 0, or -1 (nothing written) for a format or width not taken, n outside 1..8, M < 1, or no memory.
 int kquant_mm_many(int n, const int* types, const uint8_t* const* Ws, const int* Os, int I, const void* x, int M,
-                   void* const* ys, int bf16, int threads) {
+                   void* const* ys, int bf16, int threads, const float* norm, float eps) {
     if (n < 1 || n > 8 || M < 1) return -1;
     long tile_bytes[8];
     int first[9] = {0};  // first[k]: weight k's first tile in the joint order
@@ -63,7 +91,8 @@ int kquant_mm_many(int n, const int* types, const uint8_t* const* Ws, const int*
         first[k + 1] = first[k] + (Os[k] + TILE - 1) / TILE;
     }
     int G = I / GROUP;
-    size_t need = (size_t)M * I + sizeof(float) * (size_t)M * G + sizeof(int32_t) * 2 * (size_t)M * G + 64;
+    size_t normed = norm ? sizeof(float) * (size_t)M * I : 0;
+    size_t need = (size_t)M * I + sizeof(float) * (size_t)M * G + sizeof(int32_t) * 2 * (size_t)M * G + normed + 128;
     if (need > scratch_bytes) {
         free(scratch);
         scratch = (int8_t*)malloc(need);
@@ -72,7 +101,13 @@ int kquant_mm_many(int n, const int* types, const uint8_t* const* Ws, const int*
     }
     float* xs = (float*)(((uintptr_t)(scratch + (size_t)M * I) + 63) & ~(uintptr_t)63);
     int32_t* sums = (int32_t*)(xs + (size_t)M * G);
-    quantize_rows(x, M, I, bf16, scratch, xs, sums);
+    if (norm) {
+        float* rows = (float*)(((uintptr_t)(sums + 2 * (size_t)M * G) + 63) & ~(uintptr_t)63);
+        normalized_rows(x, M, I, bf16, norm, eps, rows);
+        quantize_rows(rows, M, I, 0, scratch, xs, sums);
+    } else {
+        quantize_rows(x, M, I, bf16, scratch, xs, sums);
+    }
     Rows rows = {scratch, xs, sums, I, G};
     // guided: a thread that the OS preempts (a borrowed core's other work) leaves its share to the others
 #pragma omp parallel for schedule(guided, 8) num_threads(threads > 0 ? threads : 1)
@@ -87,7 +122,7 @@ int kquant_mm_many(int n, const int* types, const uint8_t* const* Ws, const int*
 
 // y [M, O] = x [M, I] W^T: `kquant_mm_many` of one weight.
 int kquant_mm(int type, const uint8_t* W, int O, int I, const void* x, int M, void* y, int bf16, int threads) {
-    return kquant_mm_many(1, &type, &W, &O, I, x, M, &y, bf16, threads);
+    return kquant_mm_many(1, &type, &W, &O, I, x, M, &y, bf16, threads, NULL, 0.0f);
 }
 
 // Pins the threads of a later kquant_mm(threads = n): thread i (i >= 1) to core cores[i]; thread 0, the caller,
