@@ -292,7 +292,8 @@ class Lane:
         lives, trees = [lives[i] for i in ok], [trees[i] for i in ok]
         verified = replace(verified, verdicts=[verdicts[i] for i in ok])
         seqs = [x.seq for x in lives]
-        news = self.speculation.settle(seqs, trees, verified.verdicts, verified.work.seconds, group.predicted)
+        work = verified.work
+        news = self.speculation.settle(seqs, trees, verified.verdicts, work.seconds, group.predicted, work.crowded)
         committed = 0
         for live, tree, verdict, new in zip(lives, trees, verified.verdicts, news, strict=True):
             live.proposal = None

@@ -113,8 +113,8 @@ class RoundAhead:
 
         A sequence drafting alone in its group drafts what the planner chooses for its next round, priced
         as overlapped (a hit hides the draft behind the verify), and so does one `catching_up` (`catches_up`;
-        0 deep where the planner drafts nothing: it still catches up); others are planned at
-        their round's start. Only sequences whose tokens do not depend on the draft (greedy, deterministic
+        0 deep where its depth is cut to nothing, and not at all where the planner drafts nothing); others are
+        planned at their round's start. Only sequences whose tokens do not depend on the draft (greedy, deterministic
         drafts) pre-draft, and not those the router drafts by lookup itself (free, at the round's start).
         """
         seq, speculation = live.seq, self.speculation
@@ -138,7 +138,11 @@ class RoundAhead:
         # which leaves the next round room for more (near max_tokens, the round that would be redrafted).
         cut = 0 if self.config.ahead_alternatives else path
         depth = min(depth, own, seq.params.max_tokens - len(seq.output) - cut - 2)
-        return depth if depth > 0 else catch_up
+        if depth > 0:
+            return depth
+        # Where the planner drafts nothing next (speculation does not pay at these costs), no catch-up either: it
+        # would crowd this verify for drafts not wanted. A round that drafts later pays its catch-up, as priced.
+        return catch_up if row.depth else None
 
     def start(self, g: int, cache_key: str, lives: list[Live], target_waiting: int) -> PreDraft | None:
         """Send the pre-drafts of this group's next round, beside the verify about to start."""

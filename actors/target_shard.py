@@ -138,13 +138,14 @@ class TargetShard:
         what sizes a long prompt's chunk (`TargetVerifier.verify`; every rank is given the same, so their forwards
         match)."""
         assert self._verifiers is not None, "load() first"
-        with borrowing(self._borrow if borrow else ()), Stopwatch() as sw:
+        with borrowing(self._borrow if borrow else ()) as placed, Stopwatch() as sw:
             self._verifiers.drop(drop)
             verifier = self._verifiers.get(cache_key)
             if release:
                 verifier.release(release)
             verdicts = verifier.verify([item.decode() for item in items], sizing)
-        return verdicts, dataclasses.replace(sw.work, tokens=verifier.last_tokens)
+        crowded = bool(self._borrow) and not placed  # the planner prices such verifies apart (`StepCosts.beside`)
+        return verdicts, dataclasses.replace(sw.work, tokens=verifier.last_tokens, crowded=crowded)
 
     def release(self, cache_key: str, seq_ids: list[str]) -> None:
         assert self._verifiers is not None, "load() first"

@@ -75,12 +75,13 @@ class WireProposal:
 
 @dataclass(frozen=True)
 class Work:
-    """When a worker computed, in `time.time()` seconds (same clock on one machine), and over how many
-    tokens where it ran a forward (a verify's: every row's tree and prompt chunk)."""
+    """When a worker computed, in `time.time()` seconds (same clock on one machine), over how many tokens
+    where it ran a forward (a verify's: every row's tree and prompt chunk), and whether a verify ran crowded."""
 
     start: float
     end: float
     tokens: int = 0
+    crowded: bool = False  # a verify on fewer cores than its replica borrows when alone: a draft call ran beside it
 
     @property
     def seconds(self) -> float:

@@ -24,6 +24,13 @@ With points (8 tokens, 0.21 s) and (32, 0.39 s), a slope of 7.5 ms per token:
     V(64) = 0.39 + 0.0075 * 32 = 0.63 s
     V(4)  = max(0.21 - 0.0075 * 4, 0.21 * 4 / 8) = 0.18 s
 
+A target that borrows the draft's cores for a verify no draft call runs beside (`target_pool.borrow_cores`, the
+CPU default) verifies on fewer cores whenever a draft call does run beside it (a pre-draft, the other group's
+draft): such crowded verifies are a curve of their own (`beside`), which prices an overlapped round that calls
+the draft model, while `verify` prices the rest, plain rounds among them. Alike, a plain round on both cores can
+beat speculation whose verifies run on one core beside the draft. Where the target never borrows, every verify is
+on `verify`.
+
 Two factors correct the model where it errs: `calibration` (drafted tokens committed over those
 expected: the sequences whose drafts look best are partly the lucky ones) scales every drafted
 token's gain, and `draft_calibration` (draft calls' seconds over their plans': a sequence drafting
@@ -134,6 +141,7 @@ class StepCosts:
 
     config: DepthConfig = field(default_factory=DepthConfig)  # the memories of these measurements
     verify: CostCurve = field(init=False)  # seconds of a verify forward, by tokens in it
+    beside: CostCurve = field(init=False)  # the same for verifies crowded by a draft call beside them
     draft_step: CostCurve = field(init=False)  # seconds per unit of depth of a draft round, by sequences
     nodes_per_depth: float = 1.0  # tree nodes drafted per unit of depth (1 for chains)
     rounds: int = 0  # rounds settled
@@ -147,16 +155,26 @@ class StepCosts:
 
     def __post_init__(self) -> None:
         self.verify = CostCurve(self.config.cost_memory)
+        self.beside = CostCurve(self.config.cost_memory)
         self.draft_step = CostCurve(self.config.cost_memory)
 
     def observe_verify(
-        self, seqs: Seq[Sequence], trees: Seq[TokenTree], seconds: float, accepted: Seq[int] = ()
+        self,
+        seqs: Seq[Sequence],
+        trees: Seq[TokenTree],
+        seconds: float,
+        accepted: Seq[int] = (),
+        crowded: bool = False,
     ) -> None:
-        """A verify forward over `seqs` with these draft trees took `seconds`; `accepted`: draft tokens
-        each sequence kept (pooled into the lane's acceptance, the prior of sequences that just came).
-        A sequence that joined in this step carried its whole prompt: prefill rounds are measurements
-        too, and under load the only ones at large sizes."""
-        self.verify.observe(verify_tokens(seqs, trees), seconds)
+        """A verify forward over `seqs` with these draft trees took `seconds` (`crowded`: on fewer cores, a draft
+        call beside it); `accepted`: draft tokens each sequence kept (pooled into the lane's acceptance, the prior
+        of sequences that just came). A sequence that joined in this step carried its whole prompt: prefill
+        rounds are measurements too, and under load the only ones at large sizes."""
+        if crowded:
+            self.beside.observe(verify_tokens(seqs, trees), seconds)
+            self.verify.clock += 1  # `verify`'s points age by every verify: a plain round re-measures them
+        else:
+            self.verify.observe(verify_tokens(seqs, trees), seconds)
         for seq, tree, kept in zip(seqs, trees, accepted, strict=False):
             proposed = max(tree.depths)
             if not proposed:
@@ -243,12 +261,22 @@ class StepCosts:
     def round_seconds(self, rows: Seq[DraftRow], depths: Seq[int], shape: RoundShape) -> float:
         """Predicted seconds of a round drafting `depths` ([n], one per row), each drafting row's `catch_up`
         charged (`free` rows: drafts by prompt lookup or heads; `shape.extra_levels`: draft forwards beyond
-        the deepest depth; `shape.overlapped`: the draft call runs beside the verify)."""
+        the deepest depth; `shape.overlapped`: the draft call runs beside the verify, which it crowds)."""
         # lookup drafts chains; the draft model `nodes_per_depth` nodes per unit of depth
         nodes = (d if r.free else round(self.nodes_per_depth * d) for r, d in zip(rows, depths, strict=True))
-        verify = self.verify(sum(1 + x for x in nodes)) or 0.0
+        tokens = sum(1 + x for x in nodes)
         draft = self.draft_seconds(rows, depths, shape.extra_levels) * self.draft_calibration
-        return max(verify, draft) if shape.overlapped else verify + draft
+        if shape.overlapped and draft > 0:
+            return max(self.verify_beside(tokens) or 0.0, draft)
+        return (self.verify(tokens) or 0.0) + draft
+
+    def verify_beside(self, tokens: float) -> float | None:
+        """Predicted seconds of a verify over `tokens` with a draft call beside it: `beside`'s where it measured
+        such a size or a smaller one, else `verify`'s (a crowded prefill alone would price every small verify
+        at its seconds: the first crowded drafting round measures them)."""
+        if any(bucket <= _bucket(tokens) for bucket in self.beside.points):
+            return self.beside(tokens)
+        return self.verify(tokens)
 
     def draft_seconds(self, rows: Seq[DraftRow], depths: Seq[int], extra: int = 0) -> float:
         """The draft call's seconds by the curves (uncalibrated): a round over the rows the draft model

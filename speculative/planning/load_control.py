@@ -87,7 +87,8 @@ def choose_depths(rows: Seq[DraftRow], costs: StepCosts, shape: RoundShape) -> t
     if not any(r.capped and r.limit for r in rows):
         return depths, None
     modelled = any(r.limit and not r.free for r in rows)
-    if not costs.verify.points or (modelled and costs.draft_step(n) is None):  # unmeasured: draft as deep as
+    measured = costs.verify.points or costs.beside.points
+    if not measured or (modelled and costs.draft_step(n) is None):  # unmeasured: draft as deep as
         return [r.limit for r in rows], None  # allowed once (no prediction: the round does not calibrate)
     age = costs.verify.age(n)
     if age is None or age > config.refresh_rounds:  # what not drafting costs at this size is unknown or old:

@@ -80,10 +80,11 @@ class Speculation:
         return plan_depths(draft_rows(seqs, shape, self, priced), shape, priced)
 
     def verify_seconds(self, seqs: Seq[Sequence], trees: Seq[TokenTree]) -> float | None:
-        """A verify's predicted seconds over `seqs` with these trees (None: none measured yet)."""
+        """A verify's predicted seconds over `seqs` with these trees, a draft call beside it (None: none measured
+        yet)."""
         if self.costs is None:
             return None
-        return self.costs.verify(verify_tokens(seqs, trees))
+        return self.costs.verify_beside(verify_tokens(seqs, trees))
 
     def plan(self, seqs: Seq[Sequence], batch: int, queued: int = 0, overlapped: bool = False) -> Drafting:
         """Plan this round, record it on the sequences, and draft what lookup finds."""
@@ -116,13 +117,15 @@ class Speculation:
         verdicts: Seq[VerdictLike],
         seconds: float,
         planned: Planned | None,
+        crowded: bool = False,
     ) -> list[list[int] | None]:
         """Observe the verify and commit each verdict: per sequence its new tokens, None while prefilling.
+        `crowded`: the verify ran on fewer cores, a draft call beside it (`StepCosts.beside`).
 
         A round carrying a chunk of a long prefill (a sequence with no tokens yet) is not a sample of
         what a round costs, so it is not observed."""
         if self.costs is not None and all(v.tokens for v in verdicts):
-            self.costs.observe_verify(seqs, trees, seconds, [len(v.accepted) for v in verdicts])
+            self.costs.observe_verify(seqs, trees, seconds, [len(v.accepted) for v in verdicts], crowded)
             self.costs.observe_round(planned, sum(len(v.tokens) for v in verdicts))
         out: list[list[int] | None] = []
         for seq, tree, verdict in zip(seqs, trees, verdicts, strict=True):

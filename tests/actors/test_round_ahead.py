@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from actors.config import RouterConfig
+from actors.cpu_cores import usable_cores
 from actors.draft_calls import DraftCalls
 from actors.metrics import RouterMetrics
 from actors.records import Live
@@ -363,3 +364,35 @@ def test_a_verify_borrows_the_drafts_cores_only_while_no_draft_call_runs(tiny_pa
     plain = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24, "max_draft_tokens": 0}))
     assert plain["token_ids"] == speculated["token_ids"]
     assert seen.seen and all(borrow for borrow, _ in seen.seen), "a request without speculation borrows every verify"
+
+
+class CrowdSeen(BorrowSeen):
+    """`BorrowSeen` that also records whether each verify's shard reported it ran crowded (`Work.crowded`)."""
+
+    async def call(self, method: str, lane: str | None, *args: object) -> object:
+        answer = await super().call(method, lane, *args)
+        if method == "verify":
+            self.seen[-1] = (*self.seen[-1], answer.work.crowded)  # type: ignore[attr-defined]
+        return answer
+
+
+@pytest.mark.skipif(len(usable_cores()) < 2, reason="borrowing needs a second core")
+def test_a_verify_beside_a_draft_call_runs_crowded_and_the_planner_prices_it_apart(tiny_pair: TinyPair) -> None:
+    """A shard that borrows cores reports each verify it ran without them (a draft call beside it) as crowded, and
+    the lane measures those on a curve of their own (`StepCosts.beside`), the others on `verify`: a plain round on
+    both cores is weighed against speculation whose verifies run on one."""
+    prompt, _ = prompts_and_lengths(1, seed=4)[0]
+    router = make_router(tiny_pair, depth={"load_adaptive": False})
+    shard = router._target.replicas[0].shards.shards[0]  # type: ignore[attr-defined]
+    shard._borrow = tuple(sorted(usable_cores())[:2])  # as `target_pool.borrow_cores` sets it
+    drafts = CountedDrafts(router._draft)
+    seen = CrowdSeen(router._target, drafts)
+    router._draft, router._target = drafts, seen  # type: ignore[assignment]
+    speculated = asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 24}))
+    assert speculated["token_ids"] == hf_greedy(tiny_pair.target, prompt, 24)
+    assert seen.seen and all(crowded == (not borrow) for borrow, _, crowded in seen.seen)
+    assert any(crowded for _, _, crowded in seen.seen), "no verify ran beside a pre-draft: the rule went untested"
+    assert router._costs.beside.points and router._costs.verify.clock >= len(seen.seen) - 1
+    seen.seen.clear()
+    asyncio.run(router.generate(prompt, {"temperature": 0.0, "max_tokens": 8, "max_draft_tokens": 0}))
+    assert seen.seen and not any(crowded for _, _, crowded in seen.seen)

@@ -582,3 +582,45 @@ def test_a_pre_draft_deadline_learns_when_its_verdict_reaches_the_router() -> No
     c.observe_ahead(0.32, 0.30 + 0.04)  # finished 0.04 s before its verdict: it had 0.34 s
     assert c.ahead_deadline(0.32) == pytest.approx(0.32 + 0.005)
     assert c.ahead_deadline(0.0) == pytest.approx(0.005) and StepCosts().ahead_deadline(-1.0) == 0.0
+
+
+def test_a_verify_crowded_by_a_draft_call_prices_overlapped_drafting_and_plain_keeps_both_cores() -> None:
+    """On a CPU whose target borrows the draft's core while no draft call runs (`borrow_cores`), a plain round
+    verifies on two cores and a round drafting beside its verify on one: the crowded verifies are a curve of
+    their own, and an overlapped round that calls the draft model is priced by it. Where the one-core verify
+    with its draft loses to the two-core plain round, the round is plain; the same costs measured as if every
+    verify ran alike (one curve) would have drafted."""
+    one_curve = costs({1: 0.060, 5: 0.110}, {1: 0.050})
+    split = costs({1: 0.060, 5: 0.110}, {1: 0.050})
+    for tokens, seconds in {1: 0.100, 5: 0.190}.items():
+        split.beside.observe(tokens, seconds)
+    assert choose_depths([4], [0.8], one_curve, 8, overlapped=True) == [1]
+    assert choose_depths([4], [0.8], split, 8, overlapped=True) == [0]
+    row = DraftRow(4, 8, 0.8, 1.0)
+    assert split.round_seconds([row], [0], RoundShape(8, 8, True)) == pytest.approx(0.060)
+    assert split.round_seconds([row], [4], RoundShape(8, 8, True)) == pytest.approx(0.200)  # the draft: 4 x 50 ms
+    # drafted by the model in sequence (no call beside the verify): both cores, as the plain round
+    assert split.round_seconds([row], [4], RoundShape(8, 8, False)) == pytest.approx(0.110 + 0.200)
+    # with high acceptance the crowded round still pays
+    assert choose_depths([4], [0.98], split, 8, overlapped=True) == [4]
+
+
+def test_crowded_verifies_age_the_plain_curve_so_a_plain_round_remeasures_it() -> None:
+    seq = Sequence("a", list(range(10)), GREEDY)
+    seq.stats.steps = 3
+    tree = TokenTree(0, (1, 2), (0, 1))
+    c = StepCosts()
+    c.observe_verify([seq], [TokenTree(0, (), ())], 0.06)
+    for _ in range(5):
+        c.observe_verify([seq], [tree], 0.15, [2], crowded=True)
+    assert c.verify.age(1) == 5 and c.beside(3) == pytest.approx(0.15) and c.verify(3) == pytest.approx(0.06)
+
+
+def test_a_crowded_prefill_alone_does_not_price_small_crowded_verifies() -> None:
+    """A prompt prefilled beside the draft model's catch-up is a crowded verify of many tokens: until a crowded
+    verify of a round's size is measured, such rounds are priced by the plain curve (the first one measures)."""
+    c = costs({1: 0.06, 5: 0.11}, {1: 0.05})
+    c.beside.observe(40, 1.2)
+    assert c.verify_beside(5) == pytest.approx(0.11)
+    c.beside.observe(5, 0.19)
+    assert c.verify_beside(5) == pytest.approx(0.19) and c.verify_beside(40) == pytest.approx(1.2)
