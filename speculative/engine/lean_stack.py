@@ -44,7 +44,7 @@ def _rotated(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) ->
     """Rotary embedding as `apply_rotary_pos_emb` computes it (halves rotated, not interleaved pairs) of a
     projection's output y (a fresh tensor: rotated in place by one C call where float32 on the CPU, the same
     bits); cos and sin [T, D]."""
-    if cpu_attention.rotate(y, cos, sin, dim):
+    if not torch.compiler.is_compiling() and cpu_attention.rotate(y, cos, sin, dim):  # (a captured step: torch's)
         return y
     x = y.view(y.shape[0], -1, dim)  # [T, heads, D]
     half = dim // 2
