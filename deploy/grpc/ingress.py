@@ -41,6 +41,7 @@ from deploy.grpc.response import choice_message, stream_message, unary_response
 from deploy.openai.choices import Plan
 from deploy.openai.serving import (
     close_streams,
+    counted_usage,
     detokenizer,
     generate_choices,
     merged_chunks,
@@ -112,12 +113,13 @@ class GrpcIngress:
             status.apply(grpc_context)  # Serve's documented way: set the code, return an empty response
             return pb.GenerateResponse()
         plan = admitted.plan
-        choices = []
+        choices, usages = [], []
         for c, r in zip(plan.choices, results, strict=True):
             detok = detokenizer(front, plan.request, c.sampling, admitted.eos)
             text = await front.detokenize(detok, list(r["token_ids"]), r["finish_reason"])
             choices.append(choice_message(c.index, r, text))
-        usage = summed_usage(plan.choices, [r.get("usage") or {} for r in results])
+            usages.append(await counted_usage(front, r.get("usage") or {}, c, list(r["token_ids"])))
+        usage = summed_usage(plan.choices, usages)
         return unary_response(choices, usage, front.model_name, admitted.request_id)
 
     async def GenerateStream(
@@ -134,11 +136,19 @@ class GrpcIngress:
             raise
         plan, rid = admitted.plan, admitted.request_id
         detoks = {c.index: detokenizer(front, plan.request, c.sampling, admitted.eos) for c in plan.choices}
+        outputs: dict[int, list[int]] = {}  # each choice's token ids so far (for prediction counts)
         try:
             async with contextlib.aclosing(merged_chunks(opened)) as chunks:  # closed here: before the streams
                 async for choice, chunk in chunks:
                     ids, reason = list(chunk["token_ids"]), chunk["finish_reason"]
                     text = await front.detokenize(detoks[choice.index], ids, reason)
+                    if choice.sampling.get("prediction"):
+                        outputs.setdefault(choice.index, []).extend(ids)
+                    if reason is not None:
+                        used = chunk.get("usage") or {}
+                        chunk = chunk | {
+                            "usage": await counted_usage(front, used, choice, outputs.pop(choice.index, []))
+                        }
                     yield stream_message(choice.index, chunk, text, rid)
         except StreamTimeout as e:  # the messages so far are sent: the status says why the stream ends here
             GrpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)).apply(grpc_context)

@@ -47,7 +47,7 @@ _SAME = (
     "skip_special_tokens",
 )
 _MAX_TOKENS = 1_000_000  # the HTTP API's bound on max_tokens: a default beyond it is clipped to it
-_CHAT = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_CHAT = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prediction")
 
 
 def plan_generation(
@@ -122,6 +122,8 @@ def chat_body(chat: pb.Chat) -> dict[str, Any]:
     for flag in ("add_generation_prompt", "continue_final_message"):
         if chat.HasField(flag):
             body[flag] = getattr(chat, flag)
+    if chat.HasField("prediction"):
+        body["prediction"] = {"type": "content", "content": chat.prediction}
     return body
 
 

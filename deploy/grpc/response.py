@@ -33,13 +33,18 @@ def token_logprobs(entries: list[dict[str, Any]] | None) -> list[pb.TokenLogprob
 
 def usage_message(usage: Usage) -> pb.Usage:
     """The HTTP API's usage (one choice's, or summed over a request's) as the proto's."""
-    return pb.Usage(
+    message = pb.Usage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         draft_tokens=usage.draft_tokens,
         accepted_tokens=usage.accepted_tokens,
         acceptance_length=usage.acceptance_length,
     )
+    predicted = usage.completion_tokens_details
+    if predicted is not None:  # the request had a prediction
+        message.accepted_prediction_tokens = predicted.accepted_prediction_tokens
+        message.rejected_prediction_tokens = predicted.rejected_prediction_tokens
+    return message
 
 
 def choice_message(index: int, result: dict[str, Any], text: str) -> pb.Choice:
@@ -68,7 +73,8 @@ def unary_response(choices: list[pb.Choice], usage: Usage, model: str, request_i
 
 
 def stream_message(index: int, chunk: dict[str, Any], text: str, request_id: str) -> pb.GenerateStreamResponse:
-    """One router chunk of choice `index`; its last carries the choice's usage."""
+    """One router chunk of choice `index`; its last carries the choice's usage (with the prediction's counts, where
+    the caller added them: `serving.counted_usage`)."""
     message = pb.GenerateStreamResponse(
         token_ids=chunk["token_ids"],
         text=text,

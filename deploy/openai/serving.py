@@ -62,7 +62,7 @@ async def serve(backend: Backend, front: FrontDoor, cls: type[OpenAIRequest], bo
         return StreamingResponse(_events(plan, front, detoks, opened), media_type="text/event-stream", headers=headers)
     results = await generate_choices(backend, plan)
     for c, r in zip(plan.choices, results, strict=True):
-        r["usage"] = await _counted(front, r.get("usage") or {}, c, list(r["token_ids"]))
+        r["usage"] = await counted_usage(front, r.get("usage") or {}, c, list(r["token_ids"]))
     texts = [
         c.echo + await front.detokenize(detoks[c.index], list(r["token_ids"]), r["finish_reason"])
         for c, r in zip(plan.choices, results, strict=True)
@@ -212,7 +212,7 @@ def _full_response(
     return Completion(id=rid, created=created, model=model, choices=completions, usage=usage, metrics=metrics)
 
 
-async def _counted(front: FrontDoor, usage: dict[str, Any], choice: Choice, output: list[int]) -> dict[str, Any]:
+async def counted_usage(front: FrontDoor, usage: dict[str, Any], choice: Choice, output: list[int]) -> dict[str, Any]:
     """A finished choice's usage, with the Predicted Outputs counts where it had a prediction."""
     if not choice.sampling.get("prediction"):
         return usage
@@ -299,7 +299,7 @@ async def _events(
                 if c.sampling.get("prediction"):
                     outputs.setdefault(c.index, []).extend(ids)
                 if reason is not None:
-                    usages[c.index] = await _counted(front, chunk.get("usage") or {}, c, outputs.pop(c.index, []))
+                    usages[c.index] = await counted_usage(front, chunk.get("usage") or {}, c, outputs.pop(c.index, []))
         if include_usage:
             every = [usages[c.index] for c in plan.choices]
             yield event([], summed_usage(plan.choices, every), request_metrics(front, every))

@@ -243,3 +243,37 @@ def test_a_bad_value_is_the_http_apis_refusal_naming_the_field(
     status = run_grpc(ingress, scenario)
     assert status.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert status.details() == f"sampling.{error['message']}", (status.details(), error)
+
+
+def test_a_chat_prediction_gives_the_http_apis_tokens_and_prediction_counts(server: str, ingress: TinyIngress) -> None:
+    """`chat.prediction` is HTTP's `prediction` (Predicted Outputs): the same tokens, and the same accepted and
+    rejected prediction tokens in the unary usage and in the stream's last message; a request without one carries
+    neither count, and a prediction past the context window is HTTP's refusal under `chat.prediction`."""
+    predicted = "hello there ! the quick brown fox jumps"
+    body = {"messages": MESSAGES, "temperature": 0.0, "max_tokens": 10, "return_token_ids": True}
+    answer = http(server, True, body | {"prediction": {"type": "content", "content": predicted}})
+    assert answer.status_code == 200, answer.text
+    details = answer.json()["usage"]["completion_tokens_details"]
+    counts = (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"])
+    assert sum(counts) > 0
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=10)
+    chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in MESSAGES], prediction=predicted)
+    request = pb.GenerateRequest(model=MODEL_NAME, chat=chat, sampling=sampling)
+    plain = pb.GenerateRequest(model=MODEL_NAME, chat=pb.Chat(messages=chat.messages), sampling=sampling)
+    too_long = pb.GenerateRequest(model=MODEL_NAME, chat=pb.Chat(messages=chat.messages, prediction="fox " * 200))
+
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[Any, ...]:
+        unary = await stub.Generate(request, metadata=AUTH)
+        stream = [m async for m in stub.GenerateStream(request, metadata=AUTH)]
+        without = await stub.Generate(plain, metadata=AUTH)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Generate(too_long, metadata=AUTH)
+        return unary, stream, without, refused.value
+
+    unary, stream, without, refused = run_grpc(ingress, scenario)
+    assert list(unary.token_ids) == answer.json()["choices"][0]["token_ids"] == list(without.token_ids)
+    assert (unary.usage.accepted_prediction_tokens, unary.usage.rejected_prediction_tokens) == counts
+    (last,) = [m for m in stream if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert (last.usage.accepted_prediction_tokens, last.usage.rejected_prediction_tokens) == counts
+    assert not without.usage.HasField("accepted_prediction_tokens")
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.details().startswith("chat.prediction: ")
