@@ -251,5 +251,6 @@ class RoundAhead:
                     unverified += taken.tree.size  # the round plans the quote in its place
                 else:
                     live.proposal = WireProposal.encode(taken)
+                    live.seq.stats.record_drafter(0)  # its next verdict is the draft model's, not a lookup's
         self.metrics.ahead(pre.drafting - ended, hits, "settled", unverified)
         return Settled(drafted.work, pre.drafting - ended, hits, unverified, cut_hits)

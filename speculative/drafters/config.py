@@ -176,7 +176,9 @@ class ModelDrafterConfig(DraftModelKind):
         True,
         description="A sequence quoting its context (a prompt-lookup match agreeing for 8+ tokens, as code edits "
         "give) drafts by lookup in the router instead, at no draft cost, where its tokens do not depend on the "
-        "drafter (greedy, or deterministic drafts). Under load quotes pay where the draft model no longer does.",
+        "drafter (greedy, or deterministic drafts); so does a shorter match where lookup's drafts from runs that long "
+        "land at least as often as the model's, or where the model's draft would not pay. Under load quotes pay "
+        "where the draft model no longer does.",
     )
     max_ngram: MaxNgram = 3
     min_ngram: MinNgram = 1

@@ -11,6 +11,8 @@ from speculative.drafters.base import DraftRequest, Proposal, behind_spine, empt
 from speculative.rules.tree import TokenTree
 
 MATCH_REACH = 16  # how far back before a match its context is compared (the most a run counts)
+APART = -1  # between a request's prediction and its sequence in what lookup searches: no token, so nothing matches
+# across it, and a continuation stops at it
 
 
 def lookup_match(
@@ -35,7 +37,8 @@ def lookup_match(
             runs = n + same.cumprod(dim=1).sum(dim=1)  # [h] tokens agreeing, the n-gram's included
             best = int(torch.argmax(runs * total + hits))  # the longest run, then the most recent
             start = int(hits[best]) + n
-            return int(runs[best]), tokens[start : start + length].tolist()
+            found = tokens[start : start + length].tolist()
+            return int(runs[best]), found[: found.index(APART)] if APART in found else found
     return 0, []
 
 
@@ -70,16 +73,16 @@ def split_lookup(
     return found, [replace(r, budget=0) if hit else r for r, hit in zip(requests, hits, strict=True)]
 
 
-def searched(tokens: Sequence[int], prediction: Sequence[int], prompt_len: int) -> torch.Tensor:  # [T + P + L]
+def searched(tokens: Sequence[int], prediction: Sequence[int], prompt_len: int) -> torch.Tensor:  # [T + P + 1 + L]
     """What lookup searches: a request's predicted output (`SamplingParams.prediction`) after the prompt's last
     MATCH_REACH tokens, then its sequence, whose end is the n-gram matched. The prediction is what the prompt is
     expected to be followed by: an output that begins as it does agrees with it for a whole run from its first
     token, a quote at once. A match in the prediction drafts the prediction's next tokens, as one in the prompt
-    drafts the prompt's (a code edit's unchanged lines)."""
+    drafts the prompt's (a code edit's unchanged lines); one at the prediction's end drafts no further (`APART`)."""
     if not prediction:
         return torch.tensor(tokens, dtype=torch.long)
     tail = tokens[max(prompt_len - MATCH_REACH, 0) : prompt_len]
-    return torch.tensor([*tail, *prediction, *tokens], dtype=torch.long)
+    return torch.tensor([*tail, *prediction, APART, *tokens], dtype=torch.long)
 
 
 class PromptLookupDrafter:

@@ -63,11 +63,16 @@ class Plan:
 
 def plan_depths(rows: Seq[DraftRow], shape: RoundShape, costs: StepCosts | None) -> Plan:
     """The round's plan: each row's depth within min(want, cap), priced by `costs` where the round is
-    priced (None: each drafts its limit). A round carrying a prompt (a row in its prefill) is not a sample
-    of drafting: it predicts nothing."""
+    priced (None: each drafts its limit). A draft model's row that drafts nothing gives way to its
+    `fallback`, a short lookup match, and the round is priced again. A round carrying a prompt (a row in its
+    prefill) is not a sample of drafting: it predicts nothing."""
     if costs is None:
         return Plan([RowPlan(r.limit, r.run, r.model_catch_up) for r in rows], None)
     depths, predicted = choose_depths(rows, costs, shape)
+    fallen = [r.fallback if r.fallback is not None and not d else r for r, d in zip(rows, depths, strict=True)]
+    if any(f is not r for f, r in zip(fallen, rows, strict=True)):  # where the model drafts nothing, its lookup
+        rows = fallen  # match may: the round priced again with those rows
+        depths, predicted = choose_depths(rows, costs, shape)
     if any(r.prefill for r in rows):
         predicted = None
     return Plan([RowPlan(d, r.run, r.model_catch_up) for r, d in zip(rows, depths, strict=True)], predicted)

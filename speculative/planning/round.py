@@ -133,6 +133,7 @@ class Speculation:
                 out.append(None)
                 continue
             kept = len(verdict.accepted)
-            seq.acceptance.update(max(tree.depths), kept, self.config.memory)
+            if not (seq.stats.lookup_run and self.lookup_quotes):  # beside a model: its evidence alone (quotes apart)
+                seq.acceptance.update(max(tree.depths), kept, self.config.memory)
             out.append(seq.commit(tree, verdict.tokens, kept, self.eos_ids, self.decode, verdict.logprobs))
         return out

@@ -14,7 +14,7 @@ of QUOTE_RUN or more agreeing tokens is a quote, drafted up to `quote_cap`, any 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from speculative.drafters.lookup import PromptLookupDrafter, run_prior
@@ -42,6 +42,7 @@ class DraftRow:
     run: int = 0  # the lookup match's run class it drafts from (0: the draft model drafts it)
     model_catch_up: int = 0  # tokens the draft model catches up on before it drafts (recorded with the plan)
     prefill: bool = False  # its first round: its prompt rides in this verify
+    fallback: DraftRow | None = None  # the draft model's row: a short lookup match drafting where it would not
 
     @property
     def limit(self) -> int:
@@ -83,14 +84,27 @@ def draft_rows(seqs: Seq[Sequence], shape: RoundShape, drafters: Drafters, costs
 
 
 def _row(seq: Sequence, shape: RoundShape, drafters: Drafters, costs: StepCosts | None) -> DraftRow:
-    """The sequence's row. Lookup and heads drafts are free: no draft forward, nothing to catch up on."""
-    config = drafters.config
+    """The sequence's row. Lookup and heads drafts are free: no draft forward, nothing to catch up on. Beside
+    a draft model, a match shorter than a quote drafts by lookup where its run class lands at least as often
+    as the model does for the sequence; else the model's row holds it as its `fallback`."""
     room = max(min(seq.params.max_tokens - len(seq.output) - 1, _own_cap(seq)), 0)
     capped = seq.params.greedy or not drafters.drafts_sampled
-    want = _own_want(seq, room, capped, config, costs is not None)
-    run, found = _lookup_match(seq, room, want, capped, shape, drafters)
+    want = _own_want(seq, room, capped, drafters.config, costs is not None)
+    run, found, short = _lookup_match(seq, room, want, capped, shape, drafters)
+    row = _made(seq, run, found, capped, shape, drafters, costs)
+    if short is None or costs is None:
+        return row
+    looked = _made(seq, *short, capped, shape, drafters, costs)
+    return looked if looked.acceptance >= row.acceptance else replace(row, fallback=looked)
+
+
+def _made(
+    seq: Sequence, run: int, tokens: int, capped: bool, shape: RoundShape, drafters: Drafters, costs: StepCosts | None
+) -> DraftRow:
+    """The row drafting up to `tokens` by a lookup match of run class `run` (0: by the draft model)."""
+    config = drafters.config
     cap = shape.quote_cap if run >= QUOTE_RUN else shape.cap
-    want = min(found if run else min(want, found), cap)
+    want = min(tokens, cap)
     free = bool(run) or drafters.free_drafts
     owed = 0 if free else catch_up(seq)  # lookup keeps no cache
     prefill = seq.stats.steps == 0
@@ -124,22 +138,24 @@ def _own_want(seq: Sequence, room: int, capped: bool, config: DepthConfig, price
 
 def _lookup_match(
     seq: Sequence, room: int, want: int, capped: bool, shape: RoundShape, drafters: Drafters
-) -> tuple[int, int]:
-    """(the match's run class, tokens the lookup would draft), or (0, want) for the draft model. Beside
-    one (`lookup_quotes`), a capped sequence past its prefill looks for a quote as deep as its room allows,
-    and a match shorter than QUOTE_RUN is left to the draft model. A quote drafts up to `quote_cap`
+) -> tuple[int, int, tuple[int, int] | None]:
+    """(the match's run class, tokens the lookup would draft), or (0, want) for the draft model; and beside
+    one (`lookup_quotes`), a match shorter than QUOTE_RUN as (run class, tokens), else None. There a capped
+    sequence past its prefill looks for a quote as deep as its room allows. A quote drafts up to `quote_cap`
     tokens, any other match up to `cap`."""
     lookup = drafters.lookup
     if drafters.lookup_quotes and lookup:
         looked = min(room, shape.quote_cap) if capped and seq.stats.steps else 0
         run, found = lookup.match(seq.tokens, looked, seq.params.prediction, len(seq.prompt)) if looked else (0, 0)
-        return (run, found) if run >= QUOTE_RUN and found else (0, want)
+        if run >= QUOTE_RUN and found:
+            return run, found, None
+        return 0, want, (run, min(found, shape.cap)) if run and found else None
     if lookup is None:
-        return 0, want
+        return 0, want, None
     # a drafting sequence looks as deep as a quote may go; a shorter match drafts within its want
     deepest = min(room, max(shape.cap, shape.quote_cap)) if want else 0
     run, found = lookup.match(seq.tokens, deepest, seq.params.prediction, len(seq.prompt)) if deepest else (0, 0)
-    return run, found if run >= QUOTE_RUN else min(found, want, shape.cap)
+    return run, found if run >= QUOTE_RUN else min(found, want, shape.cap), None
 
 
 def _due_probe(seq: Sequence, costs: StepCosts, config: DepthConfig) -> bool:

@@ -215,7 +215,8 @@ def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:
     """A pre-draft is planned before its verdict, so it cannot see that the output has just started copying
     a passage of its context. When the verdict makes the text a quote (prompt lookup's run of 8 or more)
     deeper than the pre-draft's proposal, the next round verifies the quote (free, and it lands far more
-    often); the hit's drafts count as never verified. Without a quote the hit is the next proposal."""
+    often); the hit's drafts count as never verified. Without a quote the hit is the next proposal, and its
+    verdict is the draft model's to tally, whatever drafted round N."""
     speculation = Speculation(
         DepthConfig(max_depth=4, max_quote_depth=12), None, lookup=PromptLookupDrafter(max_ngram=3), lookup_quotes=True
     )
@@ -228,7 +229,7 @@ def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:
 
     async def settle(tokens: list[int]) -> tuple[Live, Settled | None]:
         live = Live(Sequence("s", tokens, greedy))  # committed through the verdict
-        live.seq.stats.steps = 5
+        live.seq.stats.steps, live.seq.stats.lookup_run = 5, 2  # round N drafted by lookup
         task = asyncio.get_running_loop().create_future()
         task.set_result(Drafted([WireProposal.encode(Proposal(pre_tree))], Work(0.0, 0.1), "d"))
         pre = PreDraft(0, task, [Ahead(live, [8, 9], 2)], [])  # type: ignore[arg-type]
@@ -245,6 +246,7 @@ def test_a_hit_yields_to_a_deeper_quote_of_the_context() -> None:
     live, settled = asyncio.run(settle(fresh))
     assert settled is not None and settled.hits == 1 and settled.unverified == 1
     assert live.proposal is not None and live.proposal.tree.tokens == (11, 12)
+    assert live.seq.stats.lookup_run == 0
 
 
 def test_near_max_tokens_alternatives_still_pre_draft() -> None:

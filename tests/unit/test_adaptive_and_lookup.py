@@ -116,6 +116,10 @@ def test_lookup_drafts_a_prediction_the_context_lacks_and_prefers_the_longer_quo
     assert drafter.match(started, 3, predicted.prediction) == (run_class(1), 3)  # the token alone, no prompt
     (first,) = drafter.propose([DraftRequest("s", started, budget=3, params=predicted, prompt_len=3)])
     assert first.tree.tokens == (8, 9, 10)
+    # At the prediction's end the draft stops: what lookup searches next is the sequence, not what follows it.
+    ending = (1, 2, 3, 7, 8, 9, 10, 11)
+    (last,) = drafter.propose([DraftRequest("s", ending, budget=3, params=predicted, prompt_len=3)])
+    assert last.tree.tokens == (12,)
 
 
 def test_tree_structure_and_validation():

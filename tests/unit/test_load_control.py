@@ -473,8 +473,9 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
     """Under load on a CPU the draft model is priced out (its forwards cost about what its accepted
     tokens save), but a sequence quoting its context still drafts: by lookup, free and as deep as the
     quote and its room allow, even though the model's own estimate for it says not to draft. A chance
-    match is left to the model (priced out here), and so is a sequence whose tokens depend on its
-    drafter (sampled drafts under sampling). The draft model is not told a quoting
+    match whose class lands more often than the model (2/3 before evidence against the model's 0.3) drafts by
+    lookup too, but at its margin it does not pay under this load; a sequence whose tokens depend on its
+    drafter (sampled drafts under sampling) is left to the model. The draft model is not told a quoting
     sequence drafted: it will have those tokens to catch up on if the model drafts for it later."""
     lookup = PromptLookupDrafter(max_ngram=3)
     quoted = [*range(100, 116), *range(100, 110)]  # the prompt 100..115 quoted for 10 tokens: a run of 10
@@ -491,13 +492,68 @@ def test_beside_a_draft_model_a_quote_drafts_by_lookup_where_the_model_no_longer
     c = costs(CPU, {16: 0.06, 2: 0.03})  # 60 ms a unit of depth for 16 sequences: the model does not pay
     c.pooled_accepted, c.pooled_trials = 30.0, 100.0
     depths = plan(batch, c, 4, model_depth, lookup=lookup, lookup_quotes=True)
-    assert [s.stats.lookup_run for s in batch[:3]] == [8, 0, 0]  # only the greedy quote drafts by lookup
+    assert [s.stats.lookup_run for s in batch[:3]] == [8, 0, 1]  # the greedy sequences draft by lookup
     assert depths[0] == 4 and depths[2:] == [0] * 14
     assert batch[0].stats.draft_synced == len(quoted) - 1  # the draft model has not seen this round
     # Without lookup beside it, the quoting sequence is the model's, and the model is priced out.
     for s in batch:
         s.stats.lookup_run = 0
     assert plan(batch, c, 4, model_depth)[0] == 0
+
+
+def test_beside_a_draft_model_a_short_match_drafts_by_whichever_lands_more_often() -> None:
+    """A match shorter than a quote (a run of 3: the output re-joining its prediction after an edit) drafts by
+    lookup, free, where the lane's lookup drafts of its class land at least as often as the model's drafts for
+    the sequence, and is left to the model where the model's land more often, unless the model's forwards cost
+    more than its drafts save: then lookup drafts it after all. A request's prediction is searched as its
+    context is: the same run found there drafts the prediction's next tokens."""
+    lookup = PromptLookupDrafter(max_ngram=3)
+    prompt, edited = [*range(100, 130)], [7, 8, 9]  # the output so far: 3 tokens, a new line after an edit
+    in_context = [*range(200, 230), 7, 8, 9, 11, 12, 13]  # 7 8 9 earlier in the prompt, then 11 12 13
+    with_prediction = SamplingParams(temperature=0.0, max_tokens=64, prediction=(5, 7, 8, 9, 11, 12, 13))
+    c = costs(FLAT, {1: 0.01})
+    c.pooled_by_match[2] = (60.0, 100.0)  # the lane's lookup drafts from runs of 2-3 land 0.6 of the time
+    for s in (Sequence("c", in_context, GREEDY, list(edited)), Sequence("p", prompt, with_prediction, list(edited))):
+        s.stats.steps, s.stats.drafted_at, s.stats.draft_synced = 5, 4, len(s.tokens) - 1
+        c.pooled_accepted, c.pooled_trials = 30.0, 100.0  # the model's land 0.3
+        speculation = Speculation(CONFIG, c, lookup=lookup, lookup_quotes=True)
+        (row,) = speculation.depths([s], 1).rows
+        assert row.run == 2 and row.depth >= 3
+        c.pooled_accepted = 90.0  # the model's land 0.9
+        (row,) = speculation.depths([s], 1).rows
+        assert row.run == 0 and row.depth > 0  # the model drafts it
+        dear = costs(FLAT, {1: 0.2})  # a draft forward costs 10 verifies: the model's drafts never pay
+        dear.pooled_by_match, dear.pooled_accepted, dear.pooled_trials = c.pooled_by_match, 90.0, 100.0
+        (row,) = Speculation(CONFIG, dear, lookup=lookup, lookup_quotes=True).depths([s], 1).rows
+        assert row.run == 2 and row.depth >= 3
+        c.pooled_accepted = 30.0
+        drafting = speculation.plan([s], 1)
+        proposal = drafting.found[0]
+        assert proposal is not None and proposal.tree.tokens[:3] == (11, 12, 13)  # lookup drafted, here
+        assert drafting.modelled[0].budget == 0 and s.stats.lookup_run == 2
+
+
+def test_beside_a_draft_model_only_the_models_verdicts_move_its_acceptance_for_a_sequence() -> None:
+    """The acceptance a sequence's model drafts are priced by is the draft model's own evidence: a quote's verdict
+    (lookup drafted that round) is tallied by its run class, and leaves the model's estimate as it was, so a
+    sequence that quoted well is not taken to draft well by the model. With lookup as the only drafter every
+    verdict is the sequence's acceptance, as before."""
+
+    class Verdict:
+        def __init__(self, tokens: tuple[int, ...], accepted: tuple[int, ...]) -> None:
+            self.tokens, self.accepted, self.logprobs = tokens, accepted, None
+
+    tree = TokenTree.chain(9, [10, 11, 12, 13])
+    for beside_model, moved in ((True, False), (False, True)):
+        s = Sequence("s", [1, 2, 3, 9], GREEDY)
+        before = s.acceptance.estimate(0.5)
+        s.stats.lookup_run = 8  # this round drafted by lookup
+        speculation = Speculation(CONFIG, None, lookup=PromptLookupDrafter(), lookup_quotes=beside_model)
+        speculation.settle([s], [tree], [Verdict((10, 11, 12, 13, 14), (1, 2, 3, 4))], 0.1, None)
+        assert (s.acceptance.estimate(0.5) != before) is moved
+        s.stats.lookup_run = 0  # the draft model drafted: its evidence either way
+        speculation.settle([s], [TokenTree.chain(14, [15, 16])], [Verdict((15, 16, 17), (1, 2))], 0.1, None)
+        assert s.acceptance.estimate(0.5) > before
 
 
 def test_planning_changes_nothing_until_the_round_records_it() -> None:
