@@ -47,7 +47,16 @@ _SAME = (
     "skip_special_tokens",
 )
 _MAX_TOKENS = 1_000_000  # the HTTP API's bound on max_tokens: a default beyond it is clipped to it
-_CHAT = ("messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prediction")
+_CHAT = (
+    "messages",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "prediction",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)
 
 
 def plan_generation(
@@ -116,15 +125,49 @@ def structured_outputs(so: pb.StructuredOutputs) -> dict[str, Any]:
 
 
 def chat_body(chat: pb.Chat) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": [{"role": m.role, "content": m.content} for m in chat.messages]}
+    body: dict[str, Any] = {"messages": [_message(m) for m in chat.messages]}
     if chat.HasField("chat_template_kwargs"):
         body["chat_template_kwargs"] = MessageToDict(chat.chat_template_kwargs)
-    for flag in ("add_generation_prompt", "continue_final_message"):
+    for flag in ("add_generation_prompt", "continue_final_message", "parallel_tool_calls"):
         if chat.HasField(flag):
             body[flag] = getattr(chat, flag)
     if chat.HasField("prediction"):
         body["prediction"] = {"type": "content", "content": chat.prediction}
+    if chat.tools:
+        body["tools"] = [{"type": "function", "function": _function(t, i)} for i, t in enumerate(chat.tools)]
+    choice = chat.WhichOneof("tool_choice")
+    if choice == "tool_choice_mode":
+        body["tool_choice"] = chat.tool_choice_mode
+    elif choice == "tool_choice_function":
+        body["tool_choice"] = {"type": "function", "function": {"name": chat.tool_choice_function}}
     return body
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message as the HTTP API's: a tool message's call id, an assistant's calls."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.HasField("tool_call_id"):
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    return message
+
+
+def _function(tool: pb.Tool, index: int) -> dict[str, Any]:
+    """A tool as the HTTP API's function definition; RequestError where its parameters are not JSON."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        try:
+            function["parameters"] = json.loads(tool.parameters)
+        except json.JSONDecodeError as e:
+            param = f"tools.[{index}].function.parameters"
+            raise RequestError(f"{param}: not JSON text ({e})", param=param) from None
+    return function
 
 
 def grpc_name(param: str, prompt: str) -> str:
@@ -132,8 +175,9 @@ def grpc_name(param: str, prompt: str) -> str:
     head, dot, rest = param.partition(".")
     if head == "prompt":
         return prompt + dot + rest
-    if head in _CHAT:
-        return f"chat.{param}"
+    if head in _CHAT:  # the proto's tools and calls hold a function's fields themselves; tool_choice is a oneof
+        flat = param.replace(".function.", ".") if head in ("tools", "messages") else param
+        return "chat.tool_choice" if head == "tool_choice" else f"chat.{flat}"
     if head == "model":
         return param
     if head == "top_logprobs":  # chat's name of the alternatives per token; gRPC's is `logprobs`

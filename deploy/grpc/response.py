@@ -7,12 +7,14 @@ Router chunks and results are dicts (`actors/router.py`): token_ids, finish_reas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from deploy.openai.api import Usage
+from deploy.openai.tools import DeltaToolCall, OutToolCall
 from proto import specserve_pb2 as pb
 
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 
 
 def finish_reason(reason: str | None) -> pb.FinishReason:
@@ -47,14 +49,23 @@ def usage_message(usage: Usage) -> pb.Usage:
     return message
 
 
-def choice_message(index: int, result: dict[str, Any], text: str) -> pb.Choice:
-    """A choice run to completion (`Router.generate`'s result) and its whole text."""
+def tool_calls(calls: Sequence[OutToolCall | DeltaToolCall]) -> list[pb.ToolCall]:
+    """The calls a choice's output made (the HTTP API's, whole or as a stream's delta of whole calls)."""
+    return [pb.ToolCall(id=c.id or "", name=c.function.name or "", arguments=c.function.arguments or "") for c in calls]
+
+
+def choice_message(
+    index: int, result: dict[str, Any], text: str, calls: Sequence[OutToolCall] = (), reason: str | None = None
+) -> pb.Choice:
+    """A choice run to completion (`Router.generate`'s result) and its whole text; `calls` and `reason`: the tool
+    calls read out of it and its finish reason then (`tool_calls`), where the request has tools."""
     return pb.Choice(
         index=index,
         token_ids=result["token_ids"],
         text=text,
-        finish_reason=finish_reason(result["finish_reason"]),
+        finish_reason=finish_reason(reason or result["finish_reason"]),
         logprobs=token_logprobs(result.get("logprobs")),
+        tool_calls=tool_calls(calls),
     )
 
 
@@ -69,19 +80,29 @@ def unary_response(choices: list[pb.Choice], usage: Usage, model: str, request_i
         model=model,
         choices=choices,
         request_id=request_id,
+        tool_calls=first.tool_calls,
     )
 
 
-def stream_message(index: int, chunk: dict[str, Any], text: str, request_id: str) -> pb.GenerateStreamResponse:
+def stream_message(
+    index: int,
+    chunk: dict[str, Any],
+    text: str,
+    request_id: str,
+    calls: Sequence[DeltaToolCall] = (),
+    reason: str | None = None,
+) -> pb.GenerateStreamResponse:
     """One router chunk of choice `index`; its last carries the choice's usage (with the prediction's counts, where
-    the caller added them: `serving.counted_usage`)."""
+    the caller added them: `serving.counted_usage`). `calls`, `reason`: the tool calls its text completes and the
+    choice's finish reason then, where the request has tools."""
     message = pb.GenerateStreamResponse(
         token_ids=chunk["token_ids"],
         text=text,
-        finish_reason=finish_reason(chunk["finish_reason"]),
+        finish_reason=finish_reason(reason or chunk["finish_reason"]),
         index=index,
         logprobs=token_logprobs(chunk.get("logprobs")),
         request_id=request_id,
+        tool_calls=tool_calls(calls),
     )
     if chunk["finish_reason"] is not None:
         message.usage.CopyFrom(usage_message(Usage.from_router(chunk.get("usage") or {})))

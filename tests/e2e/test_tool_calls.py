@@ -4,7 +4,8 @@ The HTTP front door over the in-process router (tests/front_router.py): Qwen2.5-
 Qwen2.5-Coder-0.5B-Instruct drafts (float32), with the Qwen tokenizer and its chat template, which lists the tools
 and asks for Hermes-style `<tool_call>` calls. A round trip (the model calls the tool, its result goes back as a
 `tool` message, the model answers in words), streamed and not; `tool_choice: required` and a named function give
-a call whose arguments validate against the tool's schema; greedy output with tools equals plain decoding.
+a call whose arguments validate against the tool's schema; greedy output with tools equals plain decoding. gRPC
+carries the same tools and reads the same calls.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import jsonschema
 import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
 from speculative.engine import gguf_weights
 from speculative.engine.invariant import make_deterministic
 from speculative.engine.loading import with_kernels
 from speculative.rules.grammar import GrammarCompiler
 from tests.fetched import fetched_dir
 from tests.front_router import MODEL_NAME, TinyIngress, front_door, serve_in_thread
+from tests.grpc_helpers import run_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +81,7 @@ def _loaded(name: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
+def ingress() -> TinyIngress:
     tokenizer = AutoTokenizer.from_pretrained(str(fetched_dir("qwen-1.5b")))
     # The served path's CPU kernels (deploy/local.yaml), in float32 activations on every CPU: the target at its
     # GGUF file's precision, its forwards batch invariant as a replica makes them, where this CPU runs the kernel
@@ -90,7 +95,11 @@ def client() -> Iterator[openai.OpenAI]:
         target = with_kernels(target, "none", "onednn")
     draft = with_kernels(_loaded("qwen-0.5b"), "int8", "onednn")
     grammars = GrammarCompiler.from_hf(tokenizer)
-    ingress = TinyIngress(front_door(tokenizer, 4096), target, draft, grammars=grammars)
+    return TinyIngress(front_door(tokenizer, 4096), target, draft, grammars=grammars)
+
+
+@pytest.fixture(scope="module")
+def client(ingress: TinyIngress) -> Iterator[openai.OpenAI]:
     with serve_in_thread(ingress.__serve_build_asgi_app__()) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
@@ -172,6 +181,67 @@ def test_required_and_named_tool_choice_give_calls_that_validate(client: openai.
     _valid_call(call, ("get_time",))
     _, streamed, reason = _streamed(client, **GREEDY, messages=ASK, tools=TOOLS, tool_choice=named)
     assert reason == "tool_calls" and [c["arguments"] for c in streamed] == [call.function.arguments]
+
+
+def test_grpc_carries_the_tools_and_reads_the_calls_the_http_api_reads(
+    ingress: TinyIngress, client: openai.OpenAI
+) -> None:
+    """gRPC's chat carries `tools` (parameters as JSON text), a named tool choice, and a round trip's assistant calls
+    and tool result: the HTTP API's tokens, and the same calls read out of them, unary and streamed (each call
+    whole, once), finishing with FINISH_REASON_TOOL_CALLS; a tool choice naming no tool is HTTP's refusal under the
+    proto's name, and parameters that are not JSON are refused naming them."""
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    asked = client.chat.completions.create(**GREEDY, messages=ASK, tools=TOOLS, tool_choice=named)
+    [call] = asked.choices[0].message.tool_calls or []
+    result = {"city": "Paris", "temperature": 21, "unit": "celsius", "sky": "sunny"}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
+    ]
+    answer = client.chat.completions.create(**GREEDY, messages=history, tools=TOOLS)
+
+    tools = [
+        pb.Tool(name=f["name"], description=f["description"], parameters=json.dumps(f["parameters"]))
+        for f in (t["function"] for t in TOOLS)
+    ]
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"])
+    ask = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in ASK]
+    chat = pb.Chat(messages=ask, tools=tools, tool_choice_function="get_weather")
+    made = pb.ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    back = [
+        *ask,
+        pb.ChatMessage(role="assistant", content="", tool_calls=[made]),
+        pb.ChatMessage(role="tool", tool_call_id=call.id, content=json.dumps(result)),
+    ]
+    request = pb.GenerateRequest(model=MODEL_NAME, chat=chat, sampling=sampling)
+    follow = pb.GenerateRequest(model=MODEL_NAME, chat=pb.Chat(messages=back, tools=tools), sampling=sampling)
+    nameless = pb.GenerateRequest(chat=pb.Chat(messages=ask, tools=tools, tool_choice_function="nope"))
+    broken = pb.GenerateRequest(chat=pb.Chat(messages=ask, tools=[pb.Tool(name="f", parameters="{")]))
+
+    async def scenario(stub: pb_grpc.SpecServeStub) -> tuple[Any, ...]:
+        unary = await stub.Generate(request)
+        stream = [m async for m in stub.GenerateStream(request)]
+        followed = await stub.Generate(follow)
+        refusals = []
+        for bad in (nameless, broken):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(bad)
+            refusals.append(refused.value)
+        return unary, stream, followed, refusals
+
+    unary, stream, followed, (refused, unparsed) = run_grpc(ingress, scenario)
+    called = [(call.function.name, call.function.arguments)]
+    assert list(unary.token_ids) == _token_ids(asked) == [t for m in stream for t in m.token_ids]
+    assert [(c.name, c.arguments) for c in unary.tool_calls] == called and unary.tool_calls[0].id.startswith("call_")
+    assert unary.finish_reason == pb.FINISH_REASON_TOOL_CALLS == stream[-1].finish_reason
+    assert [(c.name, c.arguments) for m in stream for c in m.tool_calls] == called
+    assert list(followed.token_ids) == _token_ids(answer)
+    assert followed.finish_reason == pb.FINISH_REASON_STOP and not followed.tool_calls
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details().startswith("chat.tool_choice: 'nope' is none of the tools"), refused.details()
+    assert unparsed.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert unparsed.details().startswith("chat.tools.[0].parameters: not JSON text"), unparsed.details()
 
 
 def test_tool_fields_that_cannot_be_honoured_get_400_naming_them(client: openai.OpenAI) -> None:
