@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from speculative.engine.cpu import huge_pages, kquant
+from speculative.engine.gguf_tensors import read_tensors
 
 # GGUF tensor name (blk.{i}. prefix for a layer's) -> the Hugging Face module it holds the weight of
 LAYER_TENSORS = {
@@ -84,13 +85,10 @@ def _permuted(c: kquant.Codes, order: torch.Tensor | None) -> kquant.Codes:
 def use_stored(model: PreTrainedModel, path: Path) -> StoredWeights:
     """Moves `model`'s Linear layers onto the quantized tensors of GGUF file `path` (in place), each checked
     against the model's dense weight (its first rows) so a mismatched file fails loudly."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
     modules = dict(model.named_modules())
     moved: Counter[str] = Counter()
     dense: Counter[str] = Counter()
-    for tensor in reader.tensors:
+    for tensor in read_tensors(path):
         parts = tensor.name.split(".")
         if tensor.name == "output.weight":
             target, short = "lm_head", "output"
