@@ -42,14 +42,16 @@ models: setup  ## fetch + convert the real models of docs/models.md (skipped whe
 serve-models: setup-serve  ## fetch + convert the models `make run` serves (skipped when present)
 	$(PYTHON) -m modelstore fetch $(SERVED_MODELS)
 
-# The chi-square proofs of the acceptance rules are single-threaded Python (~14 CPU-minutes): they run first, on
-# every core (pytest-xdist), one torch thread each; then the rest, whose Ray clusters and timed checks want the
-# machine to themselves.
-PARALLEL_TESTS := tests/unit/test_acceptance_distribution.py
+# The unit tests start no Ray cluster and time nothing: they run first, on every core (pytest-xdist), one torch
+# thread each, a module's tests on one worker (tests/unit/conftest.py) but the chi-square proofs of the acceptance
+# rules (~14 CPU-minutes of single-threaded Python) spread test by test. Then the rest, whose Ray clusters, core
+# placement and timed checks want the machine to themselves, with the unit modules that do too.
+WHOLE_MACHINE_UNIT := tests/unit/test_bench_smoke.py tests/unit/test_cpu_cores.py tests/unit/test_kquant.py
 
 test: models proto  ## the whole suite, as CI runs it
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q --timeout=1800 -n auto $(PARALLEL_TESTS)
-	$(PYTHON) -m pytest -q --timeout=1800 --durations=30 $(addprefix --ignore=,$(PARALLEL_TESTS))
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q --timeout=1800 -n auto --dist loadgroup tests/unit \
+		$(addprefix --ignore=,$(WHOLE_MACHINE_UNIT))
+	$(PYTHON) -m pytest -q --timeout=1800 --durations=30 tests/actors tests/e2e tests/reliability $(WHOLE_MACHINE_UNIT)
 
 test-fast: proto  ## unit tests only, no pretrained models
 	$(PYTHON) -m pytest -q -m "not slow"
