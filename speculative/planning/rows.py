@@ -91,18 +91,19 @@ def _row(seq: Sequence, shape: RoundShape, drafters: Drafters, costs: StepCosts 
     capped = seq.params.greedy or not drafters.drafts_sampled
     want = _own_want(seq, room, capped, drafters.config, costs is not None)
     run, found, short = _lookup_match(seq, room, want, capped, shape, drafters)
-    row = _made(seq, run, found, capped, shape, drafters, costs)
+    row = _made(seq, run, found, shape, drafters, costs)
     if short is None or costs is None:
         return row
-    looked = _made(seq, *short, capped, shape, drafters, costs)
+    looked = _made(seq, *short, shape, drafters, costs)
     return looked if looked.acceptance >= row.acceptance else replace(row, fallback=looked)
 
 
 def _made(
-    seq: Sequence, run: int, tokens: int, capped: bool, shape: RoundShape, drafters: Drafters, costs: StepCosts | None
+    seq: Sequence, run: int, tokens: int, shape: RoundShape, drafters: Drafters, costs: StepCosts | None
 ) -> DraftRow:
     """The row drafting up to `tokens` by a lookup match of run class `run` (0: by the draft model)."""
     config = drafters.config
+    capped = seq.params.greedy or not drafters.drafts_sampled
     cap = shape.quote_cap if run >= QUOTE_RUN else shape.cap
     want = min(tokens, cap)
     free = bool(run) or drafters.free_drafts
