@@ -42,15 +42,22 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Op
     ray_temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths (<= 107 bytes) live under it
     # unbuffered: the log shows how far a slow shutdown got when the Ctrl-C test fails
     env = {**os.environ, "RAY_TMPDIR": ray_temp, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    with log_path.open("w") as log:
-        server = subprocess.Popen(
-            [serve_cli, "run", str(path)],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    # `serve run` starts with SIGINT's default disposition, as a terminal's command does: a test runner started in
+    # the background (`pytest ... &` in a script) ignores SIGINT, its children inherit that, and Ctrl-C would never
+    # reach `serve run`.
+    runner_sigint = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        with log_path.open("w") as log:
+            server = subprocess.Popen(
+                [serve_cli, "run", str(path)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    finally:
+        signal.signal(signal.SIGINT, runner_sigint)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
 
     def answers() -> bool:
@@ -97,8 +104,6 @@ def test_ctrl_c_stops_serve_run_and_every_process_it_started(
     run = psutil.Process(server.pid).children(recursive=True)
     assert run, "Ray's processes and the replicas"
     server.send_signal(signal.SIGINT)
-    # Serve drains each replica (graceful_shutdown_timeout_s) before Ray stops: under the suite's load this has
-    # passed 120 s on a 2-core machine
-    assert server.wait(timeout=300) == 0, log_path.read_text()[-3000:]
+    assert server.wait(timeout=180) == 0, log_path.read_text()[-3000:]
     _, alive = psutil.wait_procs(run, timeout=30)
     assert not alive, [(p.pid, p.name()) for p in alive]
