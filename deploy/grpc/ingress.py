@@ -118,11 +118,11 @@ class GrpcIngress:
         for c, r in zip(plan.choices, results, strict=True):
             detok = detokenizer(front, plan.request, c.sampling, admitted.eos)
             text = await front.detokenize(detok, list(r["token_ids"]), r["finish_reason"])
+            calls, reason = [], None
             if plan.tools is not None:  # the calls read as the HTTP API reads them
                 message, reason = Answer.of(plan.tools, plan.thinks).message(text, r["finish_reason"])
-                choices.append(choice_message(c.index, r, text, message.tool_calls or (), reason))
-            else:
-                choices.append(choice_message(c.index, r, text))
+                calls = message.tool_calls or []
+            choices.append(choice_message(c.index, r, text, calls, reason))
             usages.append(await counted_usage(front, r.get("usage") or {}, c, list(r["token_ids"])))
         usage = summed_usage(plan.choices, usages)
         return unary_response(choices, usage, front.model_name, admitted.request_id)
@@ -141,7 +141,7 @@ class GrpcIngress:
             raise
         plan, rid = admitted.plan, admitted.request_id
         detoks = {c.index: detokenizer(front, plan.request, c.sampling, admitted.eos) for c in plan.choices}
-        answers = {c.index: Answer.of(plan.tools, plan.thinks) for c in plan.choices} if plan.tools else {}
+        answers = {c.index: Answer.of(plan.tools, plan.thinks) for c in plan.choices} if plan.tools is not None else {}
         outputs: dict[int, list[int]] = {}  # each choice's token ids so far (for prediction counts)
         try:
             async with contextlib.aclosing(merged_chunks(opened)) as chunks:  # closed here: before the streams
@@ -155,13 +155,11 @@ class GrpcIngress:
                         chunk = chunk | {
                             "usage": await counted_usage(front, used, choice, outputs.pop(choice.index, []))
                         }
-                    answer = answers.get(choice.index)
-                    if answer is not None:  # the calls this text completes, as the HTTP stream's deltas
+                    deltas, told = [], None
+                    if (answer := answers.get(choice.index)) is not None:  # the calls this text completes, as HTTP's
                         delta, told = answer.delta(text, reason)
-                        calls = delta.tool_calls if delta is not None and delta.tool_calls else []
-                        yield stream_message(choice.index, chunk, text, rid, calls, told)
-                    else:
-                        yield stream_message(choice.index, chunk, text, rid)
+                        deltas = delta.tool_calls if delta is not None and delta.tool_calls else []
+                    yield stream_message(choice.index, chunk, text, rid, deltas, told)
         except StreamTimeout as e:  # the messages so far are sent: the status says why the stream ends here
             GrpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)).apply(grpc_context)
             raise

@@ -92,7 +92,7 @@ def read_tensors(path: Path) -> list[GGUFTensor]:
     for name, kind, dims, offset in infos:
         block, block_bytes = GGML_QUANT_SIZES[kind]
         row_bytes = dims[0] // block * block_bytes
-        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        rows = int(np.prod(dims[1:], dtype=np.int64))  # (1 for a vector)
         at = start + offset
         data = mapped[at : at + rows * row_bytes].reshape(rows, row_bytes)
         tensors.append(GGUFTensor(name, kind, dims, data))

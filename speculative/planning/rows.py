@@ -88,7 +88,7 @@ def _row(seq: Sequence, shape: RoundShape, drafters: Drafters, costs: StepCosts 
     a draft model, a match shorter than a quote drafts by lookup where its run class lands at least as often
     as the model does for the sequence; else the model's row holds it as its `fallback`."""
     room = max(min(seq.params.max_tokens - len(seq.output) - 1, _own_cap(seq)), 0)
-    capped = seq.params.greedy or not drafters.drafts_sampled
+    capped = _capped(seq, drafters)
     want = _own_want(seq, room, capped, drafters.config, costs is not None)
     run, found, short = _lookup_match(seq, room, want, capped, shape, drafters)
     row = _made(seq, run, found, shape, drafters, costs)
@@ -103,7 +103,7 @@ def _made(
 ) -> DraftRow:
     """The row drafting up to `tokens` by a lookup match of run class `run` (0: by the draft model)."""
     config = drafters.config
-    capped = seq.params.greedy or not drafters.drafts_sampled
+    capped = _capped(seq, drafters)
     cap = shape.quote_cap if run >= QUOTE_RUN else shape.cap
     want = min(tokens, cap)
     free = bool(run) or drafters.free_drafts
@@ -122,6 +122,12 @@ def _made(
     rounds_left = max((seq.params.max_tokens - len(seq.output)) / expected_tokens(acceptance, max(want, 1)), 1.0)
     probe = float(owed) if _due_probe(seq, costs, config) else None
     return DraftRow(want, cap, acceptance, margin, capped, owed / rounds_left, probe, free, run, owed, prefill)
+
+
+def _capped(seq: Sequence, drafters: Drafters) -> bool:
+    """Whether the sequence's drafted tokens leave its output unchanged, so load may cap its depth: greedy, or
+    drafts that are not sampled."""
+    return seq.params.greedy or not drafters.drafts_sampled
 
 
 def _own_want(seq: Sequence, room: int, capped: bool, config: DepthConfig, priced: bool) -> int:
@@ -150,7 +156,7 @@ def _lookup_match(
         run, found = lookup.match(seq.tokens, looked, seq.params.prediction, len(seq.prompt)) if looked else (0, 0)
         if run >= QUOTE_RUN and found:
             return run, found, None
-        return 0, want, (run, min(found, shape.cap)) if run and found else None
+        return 0, want, (run, found) if run and found else None
     if lookup is None:
         return 0, want, None
     # a drafting sequence looks as deep as a quote may go; a shorter match drafts within its want
