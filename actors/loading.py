@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import ModelConfig
 from speculative.engine import gguf_weights
 from speculative.engine.loading import DTYPES, load_dtype, resolve_quantize, with_kernels
 from speculative.rules.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 Resolver = Callable[[str], str]  # a model argument -> what from_pretrained takes (modelstore.resolve)

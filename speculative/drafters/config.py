@@ -17,10 +17,9 @@ A new heads kind is a `HeadsKind` here (`load`, `trees`) in the `DrafterConfig` 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
-from transformers import PreTrainedModel
 
 from speculative.drafters.base import Drafter
 from speculative.drafters.eagle import EagleModel, EagleTrees, load_eagle
@@ -34,6 +33,9 @@ from speculative.engine.kv_pool import KvPool
 from speculative.engine.loading import eos_ids_of
 from speculative.engine.runner import ModelRunner
 from speculative.rules.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 RunsOn = Literal["draft_pool", "target", "router", "nowhere"]
 # Per target runner (an EAGLE head keeps a cache per sequence), the heads drafting beside its forwards.

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from speculative.engine.cpu.int4_linear import float32_kernel, int4_quantized
 from speculative.engine.cpu.int8_linear import int8_quantized
 from speculative.engine.cpu.onednn_linear import native_bf16, packed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # its module takes ~3 s to import; the auto classes load it when used
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

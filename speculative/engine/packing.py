@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from speculative.engine.batching import ragged_groups
 from speculative.engine.invariant import INVARIANT, invariant_attention
@@ -197,5 +195,12 @@ def _long(values: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.long, device=device)
 
 
-AttentionInterface.register(ATTENTION, packed_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # masks for calls that are not packed (e.g. generate)
+def register() -> None:
+    """`ATTENTION` as an attention implementation transformers' models take (`ModelRunner` calls this before it sets
+    one). At the first run of a model, not at import: transformers' modeling module, which holds the registries,
+    takes ~3 s to import, and the router and the front door import this engine but never run a model."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # masks for calls that are not packed (e.g. generate)

@@ -14,15 +14,19 @@ committed prefix and forgets the rest: that is both commit and rollback.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
+from speculative.engine import packing
 from speculative.engine.kv_cache import Shape, SlotCache, Write, bucketed
 from speculative.engine.kv_pool import KvPool
 from speculative.engine.lean_stack import lean_stack
 from speculative.engine.packing import ATTENTION, Packing, row_offsets
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -77,6 +81,7 @@ class ModelRunner:
         needed. `lean`: run the stack as `lean_stack` does where it knows the architecture (the same hidden
         states, fewer calls: a draft model's forwards of a few tokens). `pool`: the process's KV pool the
         cache draws its buffers from (`kv_pool`); None: unbounded."""
+        packing.register()
         model.set_attn_implementation(ATTENTION)
         self.model = model.eval()
         self._base = model.base_model  # the transformer stack, without the LM head
