@@ -55,6 +55,8 @@ class _Cursor:
             item, count = self.take("I"), self.take("Q")
             if item in _SIZES:
                 self.at += _SIZES[item] * count
+            elif item == _STRING:  # a tokenizer's tokens and merges: 300k strings, in a loop of their own
+                self.at = _past_strings(self.buf, self.at, count)
             else:
                 for _ in range(count):
                     self.skip(item)
@@ -62,6 +64,17 @@ class _Cursor:
             self.at += _SIZES[kind]
         else:
             raise ValueError(f"metadata value type {kind} at byte {self.at} is not GGUF's")
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def _past_strings(buf: memoryview, at: int, count: int) -> int:
+    """Where the `count` strings (each a u64 length, then its bytes) from byte `at` of `buf` end."""
+    length = _LENGTH.unpack_from
+    for _ in range(count):
+        at += 8 + length(buf, at)[0]
+    return at
 
 
 def read_tensors(path: Path) -> list[GGUFTensor]:

@@ -11,12 +11,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from speculative.engine.cpu import huge_pages, kquant
-from speculative.engine.gguf_tensors import read_tensors
+from speculative.engine.gguf_tensors import GGUFTensor, read_tensors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # GGUF tensor name (blk.{i}. prefix for a layer's) -> the Hugging Face module it holds the weight of
 LAYER_TENSORS = {
@@ -75,18 +79,26 @@ def _rows(out: int, name: str, config: object) -> torch.Tensor | None:
     return torch.arange(out).reshape(heads, out // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _permuted(c: kquant.Codes, order: torch.Tensor | None) -> kquant.Codes:
-    if order is None:
-        return c
-    pick = lambda t: None if t is None else t[order]  # noqa: E731
-    return kquant.Codes(c.kind, c.codes[order], c.d[order], pick(c.dmin), pick(c.scales), pick(c.mins))
+@dataclass(frozen=True)
+class _Move:
+    """A Linear layer and the GGUF tensor it moves onto."""
+
+    target: str  # the layer's module path
+    tensor: GGUFTensor
+    order: torch.Tensor | None  # the file's rows in the layer's order (`_rows`)
+    layer: torch.nn.Linear
+
+    @property
+    def nbytes(self) -> int:
+        return kquant.packed_bytes(int(self.tensor.tensor_type), self.layer.out_features, self.layer.in_features)
 
 
 def use_stored(model: PreTrainedModel, path: Path) -> StoredWeights:
     """Moves `model`'s Linear layers onto the quantized tensors of GGUF file `path` (in place), each checked
-    against the model's dense weight (its first rows) so a mismatched file fails loudly."""
+    against the model's dense weight (its first rows) so a mismatched file fails loudly. The tiles every step
+    streams are laid out side by side in one arena on 2 MiB pages, where the OS has them (`huge_pages`)."""
     modules = dict(model.named_modules())
-    moved: Counter[str] = Counter()
+    moves: list[_Move] = []
     dense: Counter[str] = Counter()
     for tensor in read_tensors(path):
         parts = tensor.name.split(".")
@@ -104,22 +116,32 @@ def use_stored(model: PreTrainedModel, path: Path) -> StoredWeights:
         if not kquant.takes(kind, inputs):
             dense[f"{tensor.tensor_type.name} (no kernel)"] += 1
             continue
-        codes = _permuted(kquant.decode(kind, tensor.data, inputs), _rows(tensor.data.shape[0], short, model.config))
-        if codes.codes.shape != layer.weight.shape:
-            raise ValueError(
-                f"{path.name}: {tensor.name} is {tuple(codes.codes.shape)}, {target} {tuple(layer.weight.shape)}"
-            )
-        _check(codes, layer.weight, f"{path.name}: {tensor.name}")
-        bias = None if layer.bias is None else layer.bias.detach()
-        parent, _, child = target.rpartition(".")
-        setattr(modules[parent] if parent else model, child, kquant.KQuantLinear(codes, bias, layer.weight.dtype))
-        moved[tensor.tensor_type.name] += 1
-    huge_pages.onto_huge_pages(model)  # the tiles every step streams, on 2 MiB pages where the OS has them
-    return StoredWeights(moved, dense)
+        shape = (tensor.data.shape[0], inputs)
+        if shape != layer.weight.shape:
+            raise ValueError(f"{path.name}: {tensor.name} is {shape}, {target} {tuple(layer.weight.shape)}")
+        order = _rows(tensor.data.shape[0], short, model.config)
+        first = np.arange(min(CHECKED_ROWS, shape[0])) if order is None else order[:CHECKED_ROWS].numpy()
+        _check(kquant.decode(kind, tensor.data[first], inputs), layer.weight, f"{path.name}: {tensor.name}")
+        moves.append(_Move(target, tensor, order, layer))
+    places = {name: i for i, name in enumerate(modules)}
+    moves.sort(key=lambda m: places[m.target])  # in the model's order, as its forwards read them
+    arena = huge_pages.arena(max(sum(huge_pages.aligned(m.nbytes) for m in moves), 1))
+    at = 0
+    for m in moves:
+        kind, inputs = int(m.tensor.tensor_type), m.layer.in_features
+        packed = arena[at : at + m.nbytes]
+        kquant.pack_stored(kind, m.tensor.data, inputs, m.order, packed)
+        at += huge_pages.aligned(m.nbytes)
+        bias = None if m.layer.bias is None else m.layer.bias.detach()
+        shape = (m.layer.out_features, inputs)
+        stored = kquant.KQuantLinear(kind, packed, shape, bias, m.layer.weight.dtype)
+        parent, _, child = m.target.rpartition(".")
+        setattr(modules[parent] if parent else model, child, stored)
+    return StoredWeights(Counter(m.tensor.tensor_type.name for m in moves), dense)
 
 
-def _check(codes: kquant.Codes, weight: torch.Tensor, what: str) -> None:
-    """The first rows of `codes` stand for the model's dense weight (converted from this file), to its dtype."""
-    expected = kquant.dequantize(_permuted(codes, torch.arange(min(CHECKED_ROWS, weight.shape[0]))))
-    if not torch.equal(expected.to(weight.dtype), weight.detach()[:CHECKED_ROWS]):
+def _check(first: kquant.Codes, weight: torch.Tensor, what: str) -> None:
+    """A tensor's first rows, decoded, stand for the model's dense weight (converted from this file), to its dtype."""
+    rows = first.codes.shape[0]
+    if not torch.equal(kquant.dequantize(first).to(weight.dtype), weight.detach()[:rows]):
         raise ValueError(f"{what} does not hold the model's weight (another file, or rows in another order)")

@@ -114,6 +114,20 @@ def test_decoded_codes_stand_for_the_files_weights(kind: GGMLQuantizationType) -
     assert torch.equal(kquant.dequantize(codes), torch.from_numpy(quants.dequantize(raw, kind)))
 
 
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K, Q8_0])
+@pytest.mark.parametrize("order", ["stored", "permuted"])
+def test_stored_blocks_are_laid_out_as_their_decoded_codes_are(kind: GGMLQuantizationType, order: str) -> None:
+    """`pack_stored` (C, from the file's bytes) writes `pack(decode(...))`'s bytes, byte for byte: 40 outputs (a
+    partial last tile, whose missing outputs keep zero scales), in the file's order or rows picked in another."""
+    raw = _blocks(kind, 40, 512, np.random.default_rng(int(kind)))
+    rows = None if order == "stored" else torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    picked = raw if rows is None else raw[rows.numpy()]
+    expected = kquant.pack(kquant.decode(int(kind), picked, 512)).reshape(-1)
+    into = torch.zeros(kquant.packed_bytes(int(kind), 40, 512), dtype=torch.uint8)
+    kquant.pack_stored(int(kind), raw, 512, rows, into)
+    assert torch.equal(into, expected)
+
+
 @pytest.mark.skipif(kquant.library((int(Q4_1),)) is None, reason="no kernel here takes Q4_1 (the AVX2 kernel does)")
 @pytest.mark.parametrize("source", ["gguf", "grid"])
 def test_q4_1_weights_compute_as_their_dequantized_weights_with_the_same_bits_at_any_row_count(source: str) -> None:

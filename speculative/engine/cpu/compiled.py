@@ -43,7 +43,7 @@ class Build(NamedTuple):
 GGUF: dict[str, Any] = {
     "flags": ("-fopenmp", "-ffp-contract=off"),
     "link": ("-fopenmp",),
-    "headers": ("kquant_common.h",),
+    "headers": ("kquant_common.h", "kquant_pack.h"),
 }
 BUILDS = {  # kernels/<name>.c -> how it builds
     "int4_vnni": Build(),

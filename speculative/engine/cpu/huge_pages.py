@@ -37,13 +37,18 @@ def arena(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, starting on a PAGE bo
     return whole[start : start + nbytes]
 
 
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to whole cache lines: the room a tensor takes in an arena, so the next starts on one."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def gather(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU `tensors` (each contiguous, any dtype and shape) side by side in one `arena`."""
     tensors = list(tensors)
     sizes = [t.numel() * t.element_size() for t in tensors]
     starts = [0]
     for size in sizes:
-        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+        starts.append(starts[-1] + aligned(size))
     memory = arena(max(starts[-1], 1))
     copies = []
     for t, start, size in zip(tensors, starts, sizes, strict=False):

@@ -130,4 +130,4 @@ def int4_quantized(model: M, kernel: Kernel | None = None) -> M:
 
 def _q4_1(linear: torch.nn.Linear) -> kquant.KQuantLinear:
     bias = None if linear.bias is None else linear.bias.detach()  # [out]
-    return kquant.KQuantLinear(kquant.from_grid(*grid(linear.weight.detach())), bias, torch.float32)
+    return kquant.KQuantLinear.of(kquant.from_grid(*grid(linear.weight.detach())), bias, torch.float32)

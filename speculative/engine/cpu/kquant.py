@@ -47,6 +47,7 @@ def libraries() -> tuple[ctypes.CDLL, ...]:
         "kquant_mm_many": many,
         "kquant_place": ([pointer, count], ctypes.c_int),
         "kquant_tile_bytes": ([count, count], ctypes.c_long),
+        "kquant_pack": ([count, pointer, ctypes.c_long, count, count, pointer, pointer], ctypes.c_int),
     }
     found = [
         compiled.library(n, "GGUF weights", functions) for n in KERNELS if compiled.cpu_supports(compiled.BUILDS[n].cpu)
@@ -160,9 +161,31 @@ def dequantize(c: Codes) -> torch.Tensor:
     return scale * (u - 32)
 
 
+def packed_bytes(kind: int, out: int, inputs: int) -> int:
+    """Bytes of the kernel's layout of `out` outputs of `inputs` inputs in format `kind` (whole tiles of 16)."""
+    per_tile = {Q4_K: 2368, Q6_K: 3360, Q8_0: 544, Q4_1: 320}[kind] * inputs // BLOCK_INPUTS[kind]
+    return -(-out // TILE) * per_tile
+
+
+def pack_stored(kind: int, raw: np.ndarray, inputs: int, order: torch.Tensor | None, into: torch.Tensor) -> None:
+    """A GGUF tensor's bytes ([rows, blocks * block bytes] uint8, as the file stores them) in the kernel's layout,
+    written into `into` ([packed_bytes] uint8, zeroed), in C: `pack(decode(...))`'s bytes, ~30x sooner. Output o
+    is the file's row order[o] (None: row o)."""
+    out = raw.shape[0] if order is None else len(order)
+    if into.numel() != packed_bytes(kind, out, inputs) or into.dtype != torch.uint8 or not into.is_contiguous():
+        raise ValueError(f"{NAMES[kind]} [{out}, {inputs}] takes {packed_bytes(kind, out, inputs)} contiguous bytes")
+    raw = np.ascontiguousarray(raw)
+    rows = None if order is None else order.to(torch.int64).contiguous()
+    lib = library((kind,))
+    pointer = None if rows is None else rows.data_ptr()
+    if lib is None or lib.kquant_pack(kind, raw.ctypes.data, raw.shape[1], out, inputs, pointer, into.data_ptr()):
+        raise ValueError(f"no kernel here lays out {NAMES[kind]} weights of {inputs} inputs")
+
+
 def pack(c: Codes) -> torch.Tensor:
     """The kernel's layout of `c` (the C source's header says it): [tiles, tile bytes] uint8, outputs padded to
-    whole tiles of 16 with zero scales."""
+    whole tiles of 16 with zero scales. The definition `pack_stored` is held to, and the layout of a draft's Q4_1
+    codes."""
     out = c.codes.shape[0]
     tiles = -(-out // TILE)
 
@@ -300,14 +323,23 @@ class KQuantLinear(torch.nn.Module):
     batch_invariant = True  # a row's outputs never depend on the call's other rows (`invariant.make_deterministic`)
     packed: torch.Tensor  # [tiles, tile bytes] uint8: `pack`'s layout
 
-    def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, kind: int, packed: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        """`packed`: the weight [out, in] = `shape` in format `kind`, in `pack`'s layout."""
         super().__init__()
-        self.kind = codes.kind
-        self.out_features, self.in_features = codes.codes.shape
-        self.register_buffer("packed", pack(codes), persistent=False)
+        self.kind = kind
+        self.out_features, self.in_features = shape
+        self.register_buffer("packed", packed, persistent=False)
         self.bias = bias  # [out] or None
         # the shape and the activations' dtype alone (a plain attribute: `Module.to` has no data to move)
         self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
+
+    @staticmethod
+    def of(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> KQuantLinear:
+        """The layer of decoded `codes` (`pack`ed here)."""
+        out, inputs = codes.codes.shape
+        return KQuantLinear(codes.kind, pack(codes), (out, inputs), bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self._alone(x)[0]

@@ -50,6 +50,8 @@ long kquant_tile_bytes(int type, int I) {
     return 0;
 }
 
+#include "kquant_pack.h"  // kquant_pack: a GGUF tensor's blocks into this layout
+
 static inline float input(const void* x, size_t at, int bf16) {  // x[at] as float32
     if (!bf16) return ((const float*)x)[at];
     uint32_t bits = (uint32_t)((const uint16_t*)x)[at] << 16;
