@@ -114,11 +114,13 @@ def test_decoded_codes_stand_for_the_files_weights(kind: GGMLQuantizationType) -
     assert torch.equal(kquant.dequantize(codes), torch.from_numpy(quants.dequantize(raw, kind)))
 
 
-@pytest.mark.parametrize("kind", [Q4_K, Q6_K, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K, Q8_0, Q4_1])
 @pytest.mark.parametrize("order", ["stored", "permuted"])
 def test_stored_blocks_are_laid_out_as_their_decoded_codes_are(kind: GGMLQuantizationType, order: str) -> None:
     """`pack_stored` (C, from the file's bytes) writes `pack(decode(...))`'s bytes, byte for byte: 40 outputs (a
     partial last tile, whose missing outputs keep zero scales), in the file's order or rows picked in another."""
+    if kquant.library((int(kind),)) is None:
+        pytest.skip(f"no kernel here takes {kind.name} (the AVX2 kernel takes Q4_1)")
     raw = _blocks(kind, 40, 512, np.random.default_rng(int(kind)))
     rows = None if order == "stored" else torch.randperm(40, generator=torch.Generator().manual_seed(1))
     picked = raw if rows is None else raw[rows.numpy()]

@@ -1,8 +1,9 @@
 """GGUF-quantized Linear weights at their stored precision (Q4_K, Q6_K, Q8_0) and their kernels: `kquant_vnni.c`
 on CPUs with AVX-512 VNNI, else `kquant_avx2.c` (one layout, one interface, the same integer sums and float steps).
 
-A GGUF tensor's blocks are decoded once at load into codes and scales (`decode`), laid out for the kernel
-(`pack`), and multiplied by `matmul`: activations quantized to int8 per 32 inputs, weights read as stored.
+A GGUF tensor's blocks are laid out for the kernel once at load, in C from the file's bytes (`pack_stored`; the
+layout is defined by `pack` of the codes and scales `decode` reads, which a draft's Q4_1 weights take), and
+multiplied by `matmul`: activations quantized to int8 per 32 inputs, weights read as stored.
 `dequantize` gives the weights the same codes and scales stand for, in float32 (the reference the kernel is
 held to: int8 activations put its outputs within about 1 % of the row's scale of the float32 product).
 

@@ -73,10 +73,23 @@ static void pack_q8_0(const uint8_t* restrict block, int lane, uint8_t* restrict
     for (int k = 0; k < 8; k++) store4(dst + 32 + 64 * k + 4 * lane, load4(block + 2 + 4 * k) ^ 0x80808080u);
 }
 
+// One output's Q4_1 block (20 bytes: d and m fp16, 16 bytes of nibbles) into lane `lane` of `dst`, its tile's 320
+// bytes for these 32 inputs: d[16], m[16], then 4 chunks of nibbles as a Q4_K group's. Input l + 16h of the block
+// is nibble h of qs[l].
+static void pack_q4_1(const uint8_t* restrict block, int lane, uint8_t* restrict dst) {
+    memcpy(dst + 2 * lane, block, 2);
+    memcpy(dst + 32 + 2 * lane, block + 2, 2);
+    for (int c = 0; c < 4; c++) {  // chunk c: inputs 8c .. 8c + 7, nibble c / 2 of qs[8 (c % 2) ..]
+        const uint8_t* q = block + 4 + 8 * (c % 2);
+        int shift = 4 * (c / 2);
+        store_nibbles(dst + 64 + 64 * c, lane, load4(q) >> shift, load4(q + 4) >> shift);
+    }
+}
+
 // Lays out `O` outputs of a GGUF tensor of `I` inputs: output o is the file's row order[o] (order NULL: row o), whose
 // blocks start at raw + that row * row_bytes. `packed` holds kquant_tile_bytes(type, I) bytes per tile of 16 outputs,
 // zeroed by the caller (a last tile's missing outputs keep zero scales). Returns 0, or -1 for a format or width
-// laid out here from its codes only (Q4_1: kquant.py's `pack`).
+// it does not lay out.
 int kquant_pack(int type, const uint8_t* raw, long row_bytes, int O, int I, const int64_t* order, uint8_t* packed) {
     int inputs, block_bytes, tile_part;
     void (*one)(const uint8_t*, int, uint8_t*);
@@ -86,6 +99,8 @@ int kquant_pack(int type, const uint8_t* raw, long row_bytes, int O, int I, cons
         inputs = 256, block_bytes = 210, tile_part = Q6_K_BYTES, one = pack_q6_k;
     } else if (type == Q8_0 && I % 32 == 0) {
         inputs = 32, block_bytes = 34, tile_part = Q8_0_BYTES, one = pack_q8_0;
+    } else if (type == Q4_1 && I % 32 == 0) {
+        inputs = 32, block_bytes = 20, tile_part = Q4_1_BYTES, one = pack_q4_1;
     } else {
         return -1;
     }
