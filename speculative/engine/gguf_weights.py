@@ -125,16 +125,11 @@ def use_stored(model: PreTrainedModel, path: Path) -> StoredWeights:
         moves.append(_Move(target, tensor, order, layer))
     places = {name: i for i, name in enumerate(modules)}
     moves.sort(key=lambda m: places[m.target])  # in the model's order, as its forwards read them
-    arena = huge_pages.arena(max(sum(huge_pages.aligned(m.nbytes) for m in moves), 1))
-    at = 0
-    for m in moves:
-        kind, inputs = int(m.tensor.tensor_type), m.layer.in_features
-        packed = arena[at : at + m.nbytes]
+    for m, packed in zip(moves, huge_pages.carve([m.nbytes for m in moves]), strict=True):
+        kind, (out, inputs) = int(m.tensor.tensor_type), m.layer.weight.shape
         kquant.pack_stored(kind, m.tensor.data, inputs, m.order, packed)
-        at += huge_pages.aligned(m.nbytes)
         bias = None if m.layer.bias is None else m.layer.bias.detach()
-        shape = (m.layer.out_features, inputs)
-        stored = kquant.KQuantLinear(kind, packed, shape, bias, m.layer.weight.dtype)
+        stored = kquant.KQuantLinear(kind, packed, (out, inputs), bias, m.layer.weight.dtype)
         parent, _, child = m.target.rpartition(".")
         setattr(modules[parent] if parent else model, child, stored)
     return StoredWeights(Counter(m.tensor.tensor_type.name for m in moves), dense)

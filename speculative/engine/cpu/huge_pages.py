@@ -37,22 +37,22 @@ def arena(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, starting on a PAGE bo
     return whole[start : start + nbytes]
 
 
-def aligned(nbytes: int) -> int:
-    """`nbytes` rounded up to whole cache lines: the room a tensor takes in an arena, so the next starts on one."""
-    return -(-nbytes // ALIGN) * ALIGN
+def carve(sizes: list[int]) -> list[torch.Tensor]:
+    """Views of one `arena` side by side, view i [sizes[i]] uint8, each starting on a cache line (ALIGN)."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+    memory = arena(max(starts[-1], 1))
+    return [memory[start : start + size] for start, size in zip(starts, sizes, strict=False)]
 
 
 def gather(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU `tensors` (each contiguous, any dtype and shape) side by side in one `arena`."""
     tensors = list(tensors)
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + aligned(size))
-    memory = arena(max(starts[-1], 1))
+    places = carve([t.numel() * t.element_size() for t in tensors])
     copies = []
-    for t, start, size in zip(tensors, starts, sizes, strict=False):
-        copy = memory[start : start + size].view(t.dtype).view(t.shape)
+    for t, place in zip(tensors, places, strict=True):
+        copy = place.view(t.dtype).view(t.shape)
         copy.copy_(t)
         copies.append(copy)
     return copies

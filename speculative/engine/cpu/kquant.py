@@ -163,9 +163,10 @@ def dequantize(c: Codes) -> torch.Tensor:
 
 
 def packed_bytes(kind: int, out: int, inputs: int) -> int:
-    """Bytes of the kernel's layout of `out` outputs of `inputs` inputs in format `kind` (whole tiles of 16)."""
-    per_tile = {Q4_K: 2368, Q6_K: 3360, Q8_0: 544, Q4_1: 320}[kind] * inputs // BLOCK_INPUTS[kind]
-    return -(-out // TILE) * per_tile
+    """Bytes of the kernel's layout of `out` outputs of `inputs` inputs in format `kind` (whole tiles of 16), as
+    the kernel here that takes `kind` counts them; 0 where none does."""
+    lib = library((kind,))
+    return -(-out // TILE) * int(lib.kquant_tile_bytes(kind, inputs)) if lib is not None else 0
 
 
 def pack_stored(kind: int, raw: np.ndarray, inputs: int, order: torch.Tensor | None, into: torch.Tensor) -> None:
@@ -173,13 +174,17 @@ def pack_stored(kind: int, raw: np.ndarray, inputs: int, order: torch.Tensor | N
     written into `into` ([packed_bytes] uint8, zeroed), in C: `pack(decode(...))`'s bytes, ~30x sooner. Output o
     is the file's row order[o] (None: row o)."""
     out = raw.shape[0] if order is None else len(order)
-    if into.numel() != packed_bytes(kind, out, inputs) or into.dtype != torch.uint8 or not into.is_contiguous():
-        raise ValueError(f"{NAMES[kind]} [{out}, {inputs}] takes {packed_bytes(kind, out, inputs)} contiguous bytes")
+    need = packed_bytes(kind, out, inputs)
+    if not need:
+        raise ValueError(f"no kernel here takes {NAMES.get(kind, kind)} weights of {inputs} inputs")
+    if into.numel() != need or into.dtype != torch.uint8 or not into.is_contiguous():
+        raise ValueError(f"{NAMES[kind]} [{out}, {inputs}] takes {need} contiguous bytes")
     raw = np.ascontiguousarray(raw)
     rows = None if order is None else order.to(torch.int64).contiguous()
-    lib = library((kind,))
     pointer = None if rows is None else rows.data_ptr()
-    if lib is None or lib.kquant_pack(kind, raw.ctypes.data, raw.shape[1], out, inputs, pointer, into.data_ptr()):
+    lib = library((kind,))
+    assert lib is not None  # (packed_bytes found it)
+    if lib.kquant_pack(kind, raw.ctypes.data, raw.shape[1], out, inputs, pointer, into.data_ptr()):
         raise ValueError(f"no kernel here lays out {NAMES[kind]} weights of {inputs} inputs")
 
 
